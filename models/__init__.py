@@ -1,0 +1,50 @@
+"""Model registry. A model is one module here exposing a class built as
+`cls(model_cfg, rngs=..., constrain=...)` with `embed(tokens_bt) -> x_btd`, stacked `blocks`
+(leading logical axis `layers`, each block `x_btd -> x_btd`) and `head(x_btd) -> logits_btv`.
+Models name logical axes only; `constrain(x, names)` is handed in by the trainer."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+from flax import nnx
+
+MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
+
+
+def get(name: str):
+    from shardtrain.config import ConfigError
+    if name not in MODELS:
+        raise ConfigError(f"model.name: unknown model '{name}'; known: {', '.join(MODELS)}")
+    module, cls = MODELS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def param(rngs: nnx.Rngs, init, shape, names) -> nnx.Param:
+    """A parameter annotated with logical axis names (sharded later by the trainer)."""
+    return nnx.Param(init(rngs.params(), shape), sharding_names=tuple(names), eager_sharding=False)
+
+
+def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
+    """`n_layers` copies of a block, parameters stacked on a leading `layers` axis."""
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r):
+        return make_block(r)
+    return make(rngs)
+
+
+def scan_blocks(blocks, x, wrap=lambda body: body):
+    """Runs stacked blocks in order with lax.scan; `wrap` decorates the per-layer body (remat)."""
+    graphdef, state = nnx.split(blocks)
+
+    @wrap
+    def body(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x), None
+    return jax.lax.scan(body, x, state, unroll=True)[0]
+
+
+def no_constraint(x, names):
+    return x
+

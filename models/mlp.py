@@ -1,0 +1,42 @@
+"""A small residual MLP language model over byte tokens (no attention): the fastest test model.
+
+Shapes: B batch, T sequence, D d_model, F d_ff, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import no_constraint, param, scan_blocks, stacked
+
+normal = nnx.initializers.normal
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
+        self.constrain = constrain
+        self.w_in_df = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+        self.w_out_fd = param(rngs, normal(cfg.d_ff ** -0.5 / 2), (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
+
+    def __call__(self, x_btd):
+        h_btf = self.constrain(jax.nn.gelu(jnp.einsum("btd,df->btf", x_btd, self.w_in_df[...])), ("batch", "seq", "mlp"))
+        return self.constrain(x_btd + jnp.einsum("btf,fd->btd", h_btf, self.w_out_fd[...]), ("batch", "seq", None))
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
+        self.constrain = constrain
+        self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain), cfg.n_layers, rngs)
+        self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def embed(self, tokens_bt):
+        return self.constrain(jnp.take(self.embedding_vd[...], tokens_bt, axis=0), ("batch", "seq", None))
+
+    def head(self, x_btd):
+        return self.constrain(jnp.einsum("btd,dv->btv", x_btd, self.unembed_dv[...]), ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens_bt):
+        return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))

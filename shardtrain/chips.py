@@ -1,0 +1,57 @@
+"""Accelerator figures used for MFU and the planner's roofline (per chip, dense bf16).
+
+Sources (vendor spec sheets, retrieved 2026):
+  TPU v4:  cloud.google.com/tpu/docs/v4       275 TFLOP/s, 32 GiB HBM2 at 1200 GB/s, ICI 6 x 50 GB/s
+  TPU v5e: cloud.google.com/tpu/docs/v5e      197 TFLOP/s, 16 GiB HBM2 at 819 GB/s, ICI 1600 Gbit/s = 200 GB/s
+  TPU v5p: cloud.google.com/tpu/docs/v5p      459 TFLOP/s, 95 GiB HBM2e at 2765 GB/s, ICI 4800 Gbit/s = 600 GB/s
+  TPU v6e: cloud.google.com/tpu/docs/v6e      918 TFLOP/s, 32 GiB HBM at 1640 GB/s, ICI 3584 Gbit/s = 448 GB/s
+  A100:    nvidia.com A100 datasheet (SXM 80GB) 312 TFLOP/s, 80 GB at 2039 GB/s, NVLink 600 GB/s
+  H100:    nvidia.com H100 datasheet (SXM)    989 TFLOP/s, 80 GB at 3350 GB/s, NVLink 900 GB/s
+  H200:    nvidia.com H200 datasheet (SXM)    989 TFLOP/s, 141 GB at 4800 GB/s, NVLink 900 GB/s
+  DCN / inter-node: 25 GB/s per host (200 Gbit/s NIC class for TPU VMs; 8 x 400 Gbit/s InfiniBand
+  = 400 GB/s per 8-GPU node, i.e. 50 GB/s per GPU).
+The `cpu` entry is calibrated on this machine by bench/plan_accuracy.py (measured, not a spec).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    peak_flops: float
+    """Dense bf16 FLOP/s per chip."""
+    hbm_bytes: float
+    hbm_bandwidth: float
+    """Bytes/s."""
+    ici_bandwidth: float
+    """Bytes/s per chip over the fast interconnect (ICI / NVLink), one direction."""
+    dcn_bandwidth: float
+    """Bytes/s per chip across hosts / slices."""
+    device_kinds: tuple[str, ...] = ()
+    """Substrings of jax's `device_kind` that identify this chip."""
+
+
+CHIPS = {c.name: c for c in [
+    Chip("v4", 275e12, 32 * GiB, 1200 * GB, 300 * GB, 25 * GB, ("TPU v4",)),
+    Chip("v5e", 197e12, 16 * GiB, 819 * GB, 200 * GB, 25 * GB, ("TPU v5 lite", "TPU v5e")),
+    Chip("v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 25 * GB, ("TPU v5p", "TPU v5")),
+    Chip("v6e", 918e12, 32 * GiB, 1640 * GB, 448 * GB, 25 * GB, ("TPU v6", "TPU v6e")),
+    Chip("a100", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB, ("A100",)),
+    Chip("h100", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB, ("H100",)),
+    Chip("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB, ("H200",)),
+    Chip("cpu", 50e9, 24 * GiB, 10 * GB, 5 * GB, 1 * GB, ()),
+]}
+
+
+def for_device_kind(kind: str) -> Chip | None:
+    """The chip whose device_kind matches (None for CPUs and unknown devices)."""
+    for chip in CHIPS.values():
+        if any(k.lower() in kind.lower() for k in chip.device_kinds):
+            return chip
+    return None

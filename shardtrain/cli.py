@@ -1,0 +1,87 @@
+"""`shardtrain train | plan | ckpt`. Mistakes in user input exit 2 with one message, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from shardtrain import config as config_lib
+
+
+def simulated_devices(n: int) -> None:
+    """Asks for `n` CPU devices; must run before jax is imported. Accelerators, when present, are
+    used instead (the flag only affects the host platform)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def mesh_devices(cfg: config_lib.RunConfig) -> int:
+    sizes = cfg.mesh.sizes().values()
+    return math.prod(sizes) if all(s > 0 for s in sizes) else 8
+
+
+def cmd_train(args) -> int:
+    cfg = config_lib.load(args.config, args.overrides)
+    simulated_devices(mesh_devices(cfg))
+    from shardtrain import distributed, loop
+    distributed.initialize()
+    enable_compile_cache(cfg)
+    return loop.train(cfg)
+
+
+def cmd_plan(args) -> int:
+    cfg = config_lib.load(args.config, args.overrides)
+    simulated_devices(args.devices or mesh_devices(cfg))
+    from shardtrain import plan
+    return plan.main(cfg, args)
+
+
+def cmd_ckpt(args) -> int:
+    from shardtrain import checkpoint
+    return checkpoint.list_main(args.run_dir)
+
+
+def enable_compile_cache(cfg: config_lib.RunConfig) -> None:
+    import jax
+    if cfg.train.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/shardtrain/jax"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardtrain", description="Sharded JAX training from a mesh config.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model from a YAML config")
+    t.add_argument("config", help="YAML config, e.g. meshes/demo.yaml")
+    t.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. train.steps=50 mesh.tensor=4")
+    t.set_defaults(func=cmd_train)
+    pl = sub.add_parser("plan", help="memory, communication and speed of a mesh, without running it")
+    pl.add_argument("config")
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--devices", type=int, help="device count to plan for (default: the mesh's product)")
+    pl.add_argument("--chip", default=None, help="chip for the roofline estimate: v4, v5e, v5p, v6e, a100, h100, h200, cpu")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices")
+    pl.add_argument("--write", metavar="YAML", help="with --search: write the best mesh as a config")
+    pl.set_defaults(func=cmd_plan)
+    c = sub.add_parser("ckpt", help="list a run's checkpoints")
+    c.add_argument("run_dir")
+    c.set_defaults(func=cmd_ckpt)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except config_lib.ConfigError as e:
+        print(f"shardtrain: error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

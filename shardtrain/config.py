@@ -1,0 +1,325 @@
+"""Run configuration: typed, frozen, nested dataclasses loaded from YAML with dotted overrides.
+
+One source of truth: every other module reads a `RunConfig`. Errors a user can cause raise
+`ConfigError`, whose message names the field and the fix; the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A mistake in user input (config, overrides, mesh, data, checkpoint). Exit code 2."""
+
+
+MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
+"""Mesh axis names, outermost (slowest, across hosts) first."""
+
+AxisRule = Optional[str | tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class DcnConfig:
+    """Sizes of each mesh axis across slices / hosts (the slow network); the ICI sizes in `mesh`
+    are per slice. The full axis size is ici x dcn. All 1 means a single slice."""
+
+    data: int = 1
+    pipeline: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh. The product of the axis sizes (x dcn) must equal the device count; one axis
+    may be -1, meaning "the remaining devices"."""
+
+    data: int = 1
+    """Data parallelism: the batch is split, parameters are replicated."""
+    pipeline: int = 1
+    """Pipeline parallelism: the stacked layers are split into this many stages."""
+    fsdp: int = 1
+    """Fully sharded data parallelism (ZeRO-3): batch and parameters split, weights gathered per layer."""
+    tensor: int = 1
+    """Tensor (Megatron) parallelism: attention heads and MLP hidden units split."""
+    dcn: DcnConfig = field(default_factory=DcnConfig)
+    """Per-axis sizes across slices/hosts for a hybrid ICI x DCN mesh."""
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) * getattr(self.dcn, a) for a in MESH_AXES}
+
+
+@dataclass(frozen=True)
+class RulesConfig:
+    """Logical axis -> mesh axis (a name, a list of names, or null for replicated). One row per
+    logical name; models use only these names."""
+
+    batch: AxisRule = ("data", "fsdp")
+    embed: AxisRule = "fsdp"
+    mlp: AxisRule = "tensor"
+    heads: AxisRule = "tensor"
+    kv_heads: AxisRule = "tensor"
+    vocab: AxisRule = "tensor"
+    layers: AxisRule = "pipeline"
+    seq: AxisRule = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model architecture. `name` picks the class from the registry in `models/`."""
+
+    name: str = "gpt"
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    d_ff: int = 512
+    """Hidden size of the (SwiGLU) MLP."""
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["text", "synthetic"] = "text"
+    """`text`: byte tokens of the files under `path`; `synthetic`: seeded learnable sequences."""
+    path: Optional[str] = None
+    """Directory or glob of text files. Default: the Python standard library's top-level .py files."""
+    seq_len: int = 128
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    decay_steps: Optional[int] = None
+    """Cosine decay length; default: train.steps."""
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    seed: int = 0
+    """All randomness (init, data order) derives from this."""
+    global_batch_size: int = 32
+    grad_accum_steps: int = 1
+    """Micro-batches per step, accumulated inside the compiled step (same update as the full batch)."""
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    """Activation recomputation policy for each layer (jax.checkpoint_policies)."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of stored (master) weights and optimizer state."""
+    log_every: int = 1
+    compile_cache: bool = True
+    """JAX persistent compilation cache under ~/.cache/shardtrain/jax."""
+    profile_steps: Optional[tuple[int, int]] = None
+    """[first, last] steps to trace with jax.profiler into run_dir/profile."""
+    microbatches: Optional[int] = None
+    """Pipeline micro-batches; default 2 x pipeline stages."""
+    pipeline_schedule: Literal["gpipe", "circular"] = "gpipe"
+    pipeline_repeats: int = 1
+    """Circular schedule: groups of layers per stage (divides the bubble by this)."""
+    grad_reduce_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+    """Dtype of the cross-replica gradient reduction (int8 keeps an error-feedback residual)."""
+    sync: Literal["every_step", "local_sgd"] = "every_step"
+    sync_every: int = 8
+    """local_sgd: inner steps between outer (DiLoCo) synchronisations."""
+    sync_axes: tuple[str, ...] = ("data",)
+    """local_sgd: mesh axes whose replicas train independently between synchronisations."""
+    outer_learning_rate: float = 0.7
+    outer_momentum: float = 0.9
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 100
+    max_to_keep: int = 3
+    keep_period: Optional[int] = None
+    """Also keep every step that is a multiple of this."""
+    directory: Optional[str] = None
+    """Default: run_dir/checkpoints. A local path or gs:// URL."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    rules: RulesConfig = field(default_factory=RulesConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run_dir: Optional[str] = None
+    """Where metrics, plots, the resolved config and checkpoints go. Default: runs/<config name>."""
+    name: str = "run"
+    """Run name (default: the config file's stem)."""
+
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.directory or str(Path(self.run_dir) / "checkpoints")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _convert(tp, value, where: str):
+    """Checks and converts a YAML value to the annotated type `tp`."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return _build(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[-1] if len(errors) == 1 else f"{where}: {value!r} is not a valid {_type_name(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(map(str, typing.get_args(tp)))
+            raise ConfigError(f"{where}: {value!r} is not one of: {choices}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        if args and args[-1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _build(cls, values: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; known: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{path}'{hint}")
+        kwargs[key] = _convert(hints[key], value, path)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        node = tree.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{p}' is not a section")
+        tree = node
+    tree[last] = value
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Loads a YAML config (or the defaults) and applies `key=value` overrides (YAML values)."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' does not exist")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: YAML syntax error: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        tree.setdefault("name", p.stem)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not KEY=VALUE (e.g. train.steps=50)")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    cfg = _build(RunConfig, tree, "")
+    if cfg.run_dir is None:
+        cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / cfg.name))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need more than one field; device-dependent checks live in mesh.py."""
+    m, t = cfg.model, cfg.train
+    sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ConfigError(f"mesh: only one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+    for axis, size in zip(MESH_AXES, sizes):
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}: size must be a positive integer or -1, got {size}")
+        if getattr(cfg.mesh.dcn, axis) < 1:
+            raise ConfigError(f"mesh.dcn.{axis}: size must be >= 1")
+    for name, value in [("train.steps", t.steps), ("train.global_batch_size", t.global_batch_size),
+                        ("train.grad_accum_steps", t.grad_accum_steps), ("train.log_every", t.log_every),
+                        ("data.seq_len", cfg.data.seq_len), ("checkpoint.every_steps", cfg.checkpoint.every_steps),
+                        ("train.sync_every", t.sync_every), ("train.pipeline_repeats", t.pipeline_repeats)]:
+        if value < 1:
+            raise ConfigError(f"{name}: must be >= 1, got {value}")
+    if t.global_batch_size % t.grad_accum_steps:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"train.grad_accum_steps={t.grad_accum_steps}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
+    for axis in t.sync_axes:
+        if axis not in MESH_AXES:
+            raise ConfigError(f"train.sync_axes: unknown mesh axis '{axis}'; mesh axes: {', '.join(MESH_AXES)}")
+    for logical in dataclasses.fields(RulesConfig):
+        rule = getattr(cfg.rules, logical.name)
+        for axis in (rule,) if isinstance(rule, str) else rule or ():
+            if axis not in MESH_AXES:
+                raise ConfigError(f"rules.{logical.name}: unknown mesh axis '{axis}'; "
+                                  f"mesh axes: {', '.join(MESH_AXES)}")
+
+
+def dump(cfg: RunConfig) -> str:
+    """The resolved config as YAML (tuples as lists)."""
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+    return yaml.safe_dump(plain(to_dict(cfg)), sort_keys=False)

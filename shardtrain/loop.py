@@ -1,0 +1,118 @@
+"""The training loop: init or restore -> [batch -> step -> metrics -> checkpoint / preemption]."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from shardtrain import checkpoint, config as config_lib, data, mesh as mesh_lib, step as step_lib
+from shardtrain.metrics import Metrics
+
+EXIT_PREEMPTED = 75
+
+
+class Preemption:
+    """SIGTERM -> save at the next step boundary. With several processes all agree on the step
+    through JAX's preemption sync point; a single process uses its own signal handler."""
+
+    def __init__(self):
+        self.requested = False
+        self.multiprocess = jax.process_count() > 1
+        if not self.multiprocess:
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, *_):
+        self.requested = True
+
+    def reached(self, step: int) -> bool:
+        if self.multiprocess:
+            from jax.experimental import multihost_utils
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
+
+def train(cfg: config_lib.RunConfig) -> int:
+    """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted)."""
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    prog = step_lib.build(cfg, mesh)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
+    is_main = jax.process_index() == 0
+    if is_main:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
+        print(f"shardtrain: {cfg.model.name} {n_params / 1e6:.2f}M params on {jax.device_count()} "
+              f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; compiling...", flush=True)
+
+    t0 = time.perf_counter()
+    compiled = prog.lower().compile()
+    ckpt = checkpoint.Checkpointer(prog)
+    latest = ckpt.latest_step()
+    if latest is None:
+        state, start = prog.init(cfg.train.seed), 0
+    else:
+        state, meta = ckpt.restore(latest)
+        start = checkpoint.start_step_from(meta, cfg)
+        if is_main:
+            print(f"resuming from checkpoint step {latest} (written on mesh {meta['mesh']})", flush=True)
+    if is_main:
+        print(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}", flush=True)
+
+    metrics = Metrics(cfg, n_params, start)
+    if start > 0:
+        metrics.event("resume", step=start)
+    preemption = Preemption()
+    rows = prog.local_rows()
+    global_shape = prog.abstract_batch().shape
+    profile = cfg.train.profile_steps
+    pending = None  # (step, metrics arrays) of the step in flight: read after the next dispatch
+    last_done = time.perf_counter()
+    exit_code = 0
+
+    def finish_pending():
+        nonlocal pending, last_done
+        if pending is not None:
+            values = {k: float(v) for k, v in pending[1].items()}  # waits for that step
+            now = time.perf_counter()
+            metrics.log(pending[0], values, now - last_done)
+            last_done, pending = now, None
+
+    for i, local_batch in data.batches(cfg, rows, start, cfg.train.steps):
+        if profile and i == profile[0]:
+            jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
+        batch = jax.make_array_from_process_local_data(prog.batch_sharding, local_batch, global_shape)
+        state, step_metrics = compiled(state, batch)
+        finish_pending()
+        pending = (i + 1, step_metrics)
+        if profile and i == profile[1]:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+        done = i + 1
+        if preemption.reached(done):
+            finish_pending()
+            ckpt.save(done, state)
+            ckpt.wait()
+            metrics.event("preempted", step=done)
+            metrics.message(f"preempted at step {done}; rerun the same command to resume")
+            exit_code = EXIT_PREEMPTED
+            break
+        if done % cfg.checkpoint.every_steps == 0 or done == cfg.train.steps:
+            finish_pending()
+            ckpt.save(done, state)
+            last_done = time.perf_counter()  # the save's blocking part is not a step's time
+    finish_pending()
+    ckpt.wait()
+    ckpt.close()
+    metrics.close()
+    return exit_code
+
+
+def bare_loop_batches(prog: step_lib.Program, steps: int) -> list[jax.Array]:
+    """The first `steps` global batches as device arrays (for benchmarks that bypass the loop)."""
+    it = data.batches(prog.cfg, prog.local_rows(), 0, steps)
+    shape = prog.abstract_batch().shape
+    return [jax.make_array_from_process_local_data(prog.batch_sharding, np.asarray(b), shape) for _, b in it]

@@ -1,0 +1,103 @@
+"""Run metrics: metrics.jsonl, TensorBoard, a progress bar, MFU and a loss plot. Process 0 only."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+from tqdm import tqdm
+
+from shardtrain import chips
+from shardtrain.config import RunConfig
+
+
+def model_flops_per_token(cfg: RunConfig, n_params: int) -> float:
+    """6N for the matmuls (forward + backward) plus attention scores and values, 12 L T D."""
+    m = cfg.model
+    attention = 12 * m.n_layers * cfg.data.seq_len * m.d_model if m.name == "gpt" else 0
+    return 6 * n_params + attention
+
+
+class Metrics:
+    """Logs one row per logged step; writes only on process 0 (others keep the bookkeeping)."""
+
+    def __init__(self, cfg: RunConfig, n_params: int, start_step: int):
+        self.cfg, self.dir = cfg, Path(cfg.run_dir)
+        self.main = jax.process_index() == 0
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.flops_per_step = model_flops_per_token(cfg, n_params) * self.tokens_per_step
+        chip = chips.for_device_kind(jax.devices()[0].device_kind)
+        self.peak_flops = chip.peak_flops * jax.device_count() if chip else None
+        self.step_times: list[float] = []
+        self.losses: list[tuple[int, float]] = []
+        self.file = self.tb = self.bar = None
+        if self.main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.dir / "metrics.jsonl", "a")
+            from tensorboardX import SummaryWriter
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+            self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, values: dict, step_time: float) -> None:
+        """`values` are host floats for completed step `step` (1-based count of updates)."""
+        self.step_times.append(step_time)
+        loss = values["loss"]
+        self.losses.append((step, loss))
+        row = {"step": step, **values, "step_time_s": step_time,
+               "tokens_per_s": self.tokens_per_step / step_time}
+        if self.peak_flops:
+            row["mfu"] = self.flops_per_step / step_time / self.peak_flops
+        if not math.isfinite(loss):
+            row["event"] = "non-finite loss"
+        if not self.main:
+            return
+        if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+            for k, v in row.items():
+                if k != "step" and isinstance(v, float):
+                    self.tb.add_scalar(k, v, step)
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+
+    def event(self, event: str, **fields) -> None:
+        if self.main:
+            self.file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+            self.file.flush()
+
+    def message(self, text: str) -> None:
+        """A console line from process 0 that does not break the progress bar."""
+        if self.main:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if not self.main:
+            return
+        self.bar.close()
+        self.tb.close()
+        self.file.close()
+        if self.losses:
+            self.plot()
+            times = sorted(self.step_times)
+            median = times[len(times) // 2]
+            first, last = self.losses[0], self.losses[-1]
+            print(f"done: step {last[0]}, loss {first[1]:.3f} -> {last[1]:.3f}, median step {median:.3f} s, "
+                  f"{self.tokens_per_step / median:.0f} tokens/s; run dir {self.dir}")
+
+    def plot(self) -> None:
+        """loss.png from the whole metrics.jsonl (so a resumed run plots all of it)."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        rows = [json.loads(line) for line in open(self.dir / "metrics.jsonl") if line.strip()]
+        points = sorted({r["step"]: r["loss"] for r in rows if "loss" in r}.items())
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([p[0] for p in points], [p[1] for p in points])
+        ax.set(xlabel="step", ylabel="loss", title=self.cfg.name)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.dir / "loss.png", dpi=100)
+        plt.close(fig)

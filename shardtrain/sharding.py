@@ -1,0 +1,93 @@
+"""Logical axis names -> PartitionSpecs through the rules table, with loud errors.
+
+Models annotate parameters (flax NNX `sharding_names`) and activations (`Constrain`) with
+logical names only; this module is the one place where those names meet mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from shardtrain.config import ConfigError, RulesConfig
+
+LOGICAL_AXES = tuple(f.name for f in dataclasses.fields(RulesConfig))
+
+
+def spec_for(names: Sequence[str | None], rules: RulesConfig, mesh: Mesh, *, shape=None,
+             what: str = "array") -> P:
+    """PartitionSpec for an array whose dimensions carry `names` (None = replicated).
+
+    Mesh axes of size 1 are dropped (they cost nothing and keep specs readable). Raises
+    ConfigError for an unknown logical name, a mesh axis used twice, or (given `shape`) a
+    dimension its mesh axes do not divide.
+    """
+    used: dict[str, str] = {}
+    spec = []
+    for dim, name in enumerate(names):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in LOGICAL_AXES:
+            raise ConfigError(f"{what}: unknown logical axis '{name}'; rules define: {', '.join(LOGICAL_AXES)}")
+        rule = getattr(rules, name)
+        axes = [a for a in ((rule,) if isinstance(rule, str) else rule or ()) if mesh.shape[a] > 1]
+        for a in axes:
+            if a in used:
+                raise ConfigError(f"{what}: mesh axis '{a}' is used twice in one PartitionSpec (by logical "
+                                  f"axes '{used[a]}' and '{name}'); change rules.{name} or rules.{used[a]}")
+            used[a] = name
+        if shape is not None and axes:
+            ways = 1
+            for a in axes:
+                ways *= mesh.shape[a]
+            if shape[dim] % ways:
+                raise ConfigError(f"{what}: dimension {dim} ('{name}') of size {shape[dim]} is not divisible by "
+                                  f"mesh axes {'x'.join(axes)} = {ways}; change the mesh or rules.{name}")
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return P(*spec)
+
+
+def logical_names(abstract_state: nnx.State) -> dict:
+    """Pure dict (same structure as the parameters) of each parameter's logical axis names."""
+    def names(v):
+        n = v.get_metadata().get("out_sharding")
+        return tuple(n) if n is not None else (None,) * len(v.shape)
+    return jax.tree.map(names, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
+
+
+def path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def param_specs(abstract_params: dict, names: dict, rules: RulesConfig, mesh: Mesh) -> dict:
+    """PartitionSpec for every parameter; errors name the parameter path."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x, n: spec_for(n, rules, mesh, shape=x.shape, what=f"parameter {path_str(path)} {x.shape}"),
+        abstract_params, names, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+@dataclasses.dataclass(frozen=True)
+class Constrain:
+    """Activation sharding constraint by logical names: `constrain(x_btd, ("batch", "seq", None))`.
+
+    Built by the trainer from the rules and mesh and handed to the model; the default
+    (`mesh=None`) does nothing, so models also run unsharded.
+    """
+
+    rules: RulesConfig = RulesConfig()
+    mesh: Mesh | None = None
+
+    def __call__(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+        if self.mesh is None:
+            return x
+        spec = spec_for(names, self.rules, self.mesh, shape=x.shape, what=f"activation {names} {x.shape}")
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))

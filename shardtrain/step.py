@@ -1,0 +1,155 @@
+"""Builds the one jit-compiled, sharded train step. `train` and `plan` both call `build`, so the
+planner's numbers are the trainer's.
+
+Train state (a plain dict pytree, checkpointed as is):
+  params: the model's parameters (pure nested dict, param_dtype, sharded by the rules)
+  opt:    optax state, sharded exactly like the parameters
+  step:   int32 scalar
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import models
+from shardtrain import optim, sharding
+from shardtrain.config import RunConfig
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+@dataclasses.dataclass
+class Program:
+    """The compiled step and everything needed to feed it."""
+
+    cfg: RunConfig
+    mesh: Mesh
+    graphdef: Any
+    param_names: dict
+    """Logical axis names of every parameter (same tree as params)."""
+    state_shardings: dict
+    batch_sharding: NamedSharding
+    abstract_state: dict
+    """ShapeDtypeStructs with shardings: the state without allocating it."""
+    init: Callable
+    """jitted seed -> state, created already sharded."""
+    step: Callable
+    """jitted (state, batch) -> (state, metrics), state donated."""
+
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        t = self.cfg.train
+        return jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
+                                    sharding=self.batch_sharding)
+
+    def lower(self):
+        return self.step.lower(self.abstract_state, self.abstract_batch())
+
+    def local_rows(self) -> slice:
+        """Rows of the global batch held by this process's devices (a contiguous block)."""
+        index_map = self.batch_sharding.addressable_devices_indices_map(self.abstract_batch().shape)
+        starts = [idx[0].start or 0 for idx in index_map.values()]
+        stops = [idx[0].stop or self.cfg.train.global_batch_size for idx in index_map.values()]
+        return slice(min(starts), max(stops))
+
+
+def dtype(name: str):
+    return jnp.dtype(name)
+
+
+def abstract_model(cfg: RunConfig, constrain=models.no_constraint):
+    cls = models.get(cfg.model.name)
+    return nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0), constrain=constrain))
+
+
+def scan_runner(cfg: RunConfig) -> Callable:
+    """Runs the stacked blocks with lax.scan, each layer rematerialised by the configured policy."""
+    policy = REMAT_POLICIES.get(cfg.train.remat)
+    wrap = (lambda f: jax.checkpoint(f, policy=policy)) if policy else (lambda f: f)
+    return lambda blocks, x: models.scan_blocks(blocks, x, wrap=wrap)
+
+
+def cross_entropy(logits_btv, targets_bt):
+    return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt).mean()
+
+
+def build(cfg: RunConfig, mesh: Mesh) -> Program:
+    constrain = sharding.Constrain(cfg.rules, mesh)
+    graphdef, abstract_params = nnx.split(abstract_model(cfg, constrain))
+    names = sharding.logical_names(abstract_params)
+    param_dtype, compute_dtype = dtype(cfg.train.param_dtype), dtype(cfg.train.compute_dtype)
+    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype),
+                                   abstract_params.to_pure_dict())
+    param_shardings = sharding.named(mesh, sharding.param_specs(abstract_params, names, cfg.rules, mesh))
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, sharding.spec_for(
+        ("batch", None), cfg.rules, mesh, shape=(cfg.train.global_batch_size, cfg.data.seq_len + 1),
+        what="batch (train.global_batch_size, data.seq_len + 1)"))
+
+    tx = optim.make(cfg)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    state_shardings = {"params": param_shardings, "opt": opt_shardings, "step": replicated}
+    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                  {"params": abstract_params, "opt": abstract_opt,
+                                   "step": jax.ShapeDtypeStruct((), jnp.int32)}, state_shardings)
+
+    def init(seed):
+        cls = models.get(cfg.model.name)
+        params = nnx.split(cls(cfg.model, rngs=nnx.Rngs(params=seed)))[1].to_pure_dict()
+        params = jax.tree.map(lambda p: p.astype(param_dtype), params)
+        return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    run_blocks = scan_runner(cfg)
+    if mesh.shape["pipeline"] > 1:
+        from shardtrain import pipeline
+        run_blocks = pipeline.runner(cfg, mesh)
+
+    def loss_fn(params, tokens_bt):
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        x_btd = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
+        return cross_entropy(model.head(x_btd), tokens_bt[:, 1:])
+
+    def loss_and_grads(params, tokens_bt):
+        """Mean loss and gradients over train.grad_accum_steps micro-batches (= the full batch's)."""
+        accum = cfg.train.grad_accum_steps
+        if accum == 1:
+            return jax.value_and_grad(loss_fn)(params, tokens_bt)
+        micro_abt = tokens_bt.reshape(accum, -1, tokens_bt.shape[-1])  # (A, B/A, T+1)
+
+        def body(carry, micro_bt):
+            micro_bt = jax.lax.with_sharding_constraint(micro_bt, batch_sharding)
+            loss, grads = jax.value_and_grad(loss_fn)(params, micro_bt)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        total = jax.lax.scan(body, zeros, micro_abt)[0]
+        return jax.tree.map(lambda x: x / accum, total)
+
+    lr = optim.schedule(cfg)
+
+    def train_step(state, tokens_bt):
+        loss, grads = loss_and_grads(state["params"], tokens_bt)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
+        return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
+
+    return Program(
+        cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=state_shardings,
+        batch_sharding=batch_sharding, abstract_state=abstract_state,
+        init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=state_shardings),
+        step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, replicated), donate_argnums=0),
+    )
