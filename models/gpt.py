@@ -31,16 +31,6 @@ def rotary(x_bthe, theta: float):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
 
 
-def attention(q_bthe, k_btke, v_btke):
-    """Causal grouped-query attention."""
-    b, t, h, e = q_bthe.shape
-    q_btkge = q_bthe.reshape(b, t, k_btke.shape[2], h // k_btke.shape[2], e)
-    s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_btke) * e ** -0.5
-    causal_ts = jnp.tril(jnp.ones((t, t), bool))
-    p_bkgts = jax.nn.softmax(jnp.where(causal_ts, s_bkgts.astype(jnp.float32), -1e30), axis=-1).astype(v_btke.dtype)
-    return jnp.einsum("bkgts,bske->btkge", p_bkgts, v_btke).reshape(b, t, h, e)
-
-
 class Block(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
         d, h, k, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_model // cfg.n_heads, cfg.d_ff
@@ -61,7 +51,7 @@ class Block(nnx.Module):
         q_bthe = c(rotary(jnp.einsum("btd,dhe->bthe", h_btd, self.wq_dhe[...]), self.theta), ("batch", "seq", "heads", None))
         k_btke = c(rotary(jnp.einsum("btd,dke->btke", h_btd, self.wk_dke[...]), self.theta), ("batch", "seq", "kv_heads", None))
         v_btke = c(jnp.einsum("btd,dke->btke", h_btd, self.wv_dke[...]), ("batch", "seq", "kv_heads", None))
-        o_bthe = attention(q_bthe, k_btke, v_btke)
+        o_bthe = jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True)
         x_btd = c(x_btd + jnp.einsum("bthe,hed->btd", o_bthe, self.wo_hed[...]), ("batch", "seq", None))
         h_btd = rms_norm(x_btd, self.mlp_norm[...])
         gate_btf = c(jnp.einsum("btd,df->btf", h_btd, self.w_gate_df[...]), ("batch", "seq", "mlp"))
