@@ -106,19 +106,26 @@ def from_compiled(text: str, mesh: Mesh) -> list[Collective]:
     return out
 
 
-def _mesh_groups(sizes: str, grouped: str) -> list[list[int]]:
-    """`mesh['axis_0'=4,'axis_1'=2] {'axis_0'}` (XLA's named-axes groups over an iota of devices;
-    without `{...}` one group of all devices)."""
+def _mesh_groups(sizes: str, device_ids: str | None, grouped: str | None) -> list[list[int]]:
+    """`mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}`: XLA's named-axes groups
+    over the devices (an iota, optionally permuted); without `{...}` one group of all devices."""
     names_sizes = re.findall(r"'(\w+)'=(\d+)", sizes)
     names = [name for name, _ in names_sizes]
-    ids = np.arange(math.prod(int(n) for _, n in names_sizes)).reshape([int(n) for _, n in names_sizes])
+    shape = [int(n) for _, n in names_sizes]
+    ids = np.arange(math.prod(shape))
+    if device_ids:
+        m = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", device_ids)
+        ids = ids.reshape([int(x) for x in m.group(1).split(",")])
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+    ids = ids.reshape(shape)
     inner = [names.index(g) for g in re.findall(r"'(\w+)'", grouped)] if grouped else list(range(len(names)))
     ids = ids.transpose([i for i in range(len(names)) if i not in inner] + inner)
     return ids.reshape(-1, math.prod(ids.shape[len(names) - len(inner):])).tolist()
 
 
 def _groups_from_hlo(rest: str) -> list[list[int]]:
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:\s*\{([^}]*)\})?", rest)
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))?(?:\s*\{([^}]*)\})?", rest)
     if mesh:
         return _mesh_groups(*mesh.groups())
     m = re.search(r"replica_groups=(\{\{[\d,{} ]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", rest)

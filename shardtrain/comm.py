@@ -273,7 +273,9 @@ def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
         return {"params": state["params"], "opt": outer_tx.init(state["params"]), "step": state["step"], "replicas": copies}
 
     def inner(local, step, tokens_bt):  # one replica's AdamW step: no reduction over the replica axes
-        new, metrics = base.update({**local, "step": step}, *loss_and_grads(local["params"], tokens_bt))
+        loss, grads = loss_and_grads(local["params"], tokens_bt)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)  # (+ the replica axes, by vmap)
+        new, metrics = base.update({**local, "step": step}, loss, grads)
         return {"params": new["params"], "opt": new["opt"]}, metrics
 
     inner_r = jax.vmap(inner, in_axes=(0, None, 0), spmd_axis_name=axes)
