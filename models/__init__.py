@@ -24,7 +24,7 @@ def get(name: str):
 
 def param(rngs: nnx.Rngs, init, shape, names) -> nnx.Param:
     """A parameter annotated with logical axis names (sharded later by the trainer)."""
-    return nnx.Param(init(rngs.params(), shape), sharding_names=tuple(names), eager_sharding=False)
+    return nnx.Param(init(rngs.params(), shape), out_sharding=tuple(names), eager_sharding=False)
 
 
 def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
