@@ -176,3 +176,9 @@ def traffic_by_axes(collectives: list[Collective], min_bytes: int = 0) -> dict[t
         if c.nbytes >= min_bytes and c.axes:
             total[c.axes] = total.get(c.axes, 0.0) + c.traffic
     return total
+
+
+def conditional_branches(text: str) -> set[str]:
+    """Names of the computations that compiled HLO `conditional`s branch to (e.g. local SGD's sync)."""
+    names = re.findall(r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=(%?[\w.\-]+))", text)
+    return {n.lstrip("%") for group in names for part in group for n in re.split(r",\s*", part) if n}

@@ -296,3 +296,16 @@ def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
                 {k: jnp.mean(v) for k, v in metrics_r.items()})
 
     return state_shardings, init, train_step
+
+
+def bytes_per_step(prog) -> dict[tuple[str, ...], float]:
+    """Ring-model bytes each device sends per step over the replica axes for this mode: read from
+    the *lowered* program, where the hand-written collectives keep their dtype (the CPU compiler
+    shows bf16 ones as f32), with local SGD's outer sync amortised over sync_every steps. Metric
+    scalars are not counted. {} for the default mode: read the compiled program instead."""
+    from shardtrain import collectives
+    if not enabled(prog.cfg):
+        return {}
+    per_run = collectives.traffic_by_axes(collectives.from_lowered(prog.lower().as_text(), prog.mesh))
+    every = prog.cfg.train.sync_every if prog.cfg.train.sync == "local_sgd" else 1
+    return {axes: b / every for axes, b in per_run.items()}

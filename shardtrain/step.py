@@ -148,7 +148,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
         """Applies reduced gradients: params, opt and step advance; other state entries pass through."""
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
         return {**state, "params": params, "opt": opt, "step": state["step"] + 1}, metrics
 
     loss_and_grads = make_loss_and_grads(constrain)
