@@ -143,8 +143,12 @@ class TrainConfig:
     """local_sgd: inner steps between outer (DiLoCo) synchronisations."""
     sync_axes: tuple[str, ...] = ("data",)
     """local_sgd: mesh axes whose replicas train independently between synchronisations."""
-    outer_learning_rate: float = 0.7
-    outer_momentum: float = 0.9
+    outer_learning_rate: float = 1.0
+    """local_sgd: outer Nesterov SGD learning rate on the mean parameter delta (1.0 with momentum 0:
+    plain averaging of the replicas)."""
+    outer_momentum: float = 0.0
+    """local_sgd: outer Nesterov momentum. DiLoCo's 0.7 / 0.9 suit H in the hundreds; at H=4 on the
+    demo they overshoot (60 steps: 8.6% above fp32 loss, 0.5 momentum 4.5%, 0.0 momentum 1.3%)."""
 
 
 @dataclass(frozen=True)
