@@ -38,6 +38,7 @@ class Preemption:
 
 def train(cfg: config_lib.RunConfig) -> int:
     """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted)."""
+    dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
@@ -81,7 +82,7 @@ def train(cfg: config_lib.RunConfig) -> int:
             metrics.log(pending[0], values, now - last_done)
             last_done, pending = now, None
 
-    for i, local_batch in data.batches(cfg, rows, start, cfg.train.steps):
+    for i, local_batch in data.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps):
         if profile and i == profile[0]:
             jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
         batch = jax.make_array_from_process_local_data(prog.batch_sharding, local_batch, global_shape)
@@ -113,6 +114,6 @@ def train(cfg: config_lib.RunConfig) -> int:
 
 def bare_loop_batches(prog: step_lib.Program, steps: int) -> list[jax.Array]:
     """The first `steps` global batches as device arrays (for benchmarks that bypass the loop)."""
-    it = data.batches(prog.cfg, prog.local_rows(), 0, steps)
+    it = data.batches(data.samples(prog.cfg), prog.cfg.train.global_batch_size, prog.local_rows(), 0, steps)
     shape = prog.abstract_batch().shape
     return [jax.make_array_from_process_local_data(prog.batch_sharding, np.asarray(b), shape) for _, b in it]
