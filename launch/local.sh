@@ -18,12 +18,13 @@
 set -u
 
 usage() { echo "usage: $0 N CONFIG [KEY=VALUE ...]" >&2; exit 2; }
-say() { echo "local.sh: $*" >&2; }
+exec 3>&2  # the launcher's own messages; bash's "Killed" job notices go to /dev/null
+say() { echo "local.sh: $*" >&3; }
 [ $# -ge 2 ] || usage
 n=$1; config=$2; shift 2
 case $n in '' | *[!0-9]* | 0) say "N must be a positive integer, got '$n'"; usage ;; esac
 total=${SHARDTRAIN_CPU_DEVICES:-8}
-if [ $((total % n)) -ne 0 ]; then
+if ((total % n != 0)); then
   say "$n processes cannot share $total CPU devices evenly; set SHARDTRAIN_CPU_DEVICES to a multiple of $n"
   exit 2
 fi
@@ -57,9 +58,10 @@ done
 say "coordinator 127.0.0.1:$port, $((total / n)) CPU devices per process, heartbeat timeout ${heartbeat}s"
 
 interrupts=0
+# shellcheck disable=SC2329  # invoked by the traps below
 forward() {  # $1: signal received by this script
   interrupts=$((interrupts + 1))
-  if [ "$1" = INT ] && [ $interrupts -gt 1 ]; then
+  if [ "$1" = INT ] && ((interrupts > 1)); then
     say "second interrupt: killing all processes"
     kill -KILL "${pids[@]}" 2>/dev/null
   else
@@ -74,8 +76,14 @@ describe() {  # $1: exit status from wait
   local code=$1
   if [ "$code" -eq 75 ]; then echo "exited with 75 (preempted: checkpoint saved; rerun to resume)"
   elif [ "$code" -eq 69 ]; then echo "exited with 69 (lost contact with another process)"
+  elif [ "$code" -eq 134 ]; then echo "aborted (SIGABRT, exit 134; JAX does this when another process stops sending heartbeats)"
   elif [ "$code" -gt 128 ]; then echo "was killed by SIG$(kill -l $((code - 128)) 2>/dev/null) (exit $code)"
   else echo "exited with $code"; fi
+}
+
+severity() {  # which failure is the cause: killed by a signal > other errors > lost a peer (69, 134)
+  local code=$1
+  if [ "$code" -eq 69 ] || [ "$code" -eq 134 ]; then echo 1; elif [ "$code" -gt 128 ]; then echo 3; else echo 2; fi
 }
 
 codes=()
@@ -83,28 +91,31 @@ running=$n
 first_code=0
 first_failed=""
 deadline=0  # once a process failed, the others get the heartbeat timeout plus a margin to stop
-while [ $running -gt 0 ]; do
+while ((running > 0)); do
+  candidate=""  # the most telling failure among the processes that ended since the last poll
   for ((i = 0; i < n; i++)); do
     [ -z "${codes[i]:-}" ] || continue
     kill -0 "${pids[i]}" 2>/dev/null && continue
-    wait "${pids[i]}"
+    wait "${pids[i]}" 2>/dev/null
     codes[i]=$?
     running=$((running - 1))
-    if [ "${codes[i]}" -ne 0 ]; then
-      say "process $i (pid ${pids[i]}) $(describe "${codes[i]}")"
-      if [ -z "$first_failed" ]; then
-        first_failed=$i; first_code=${codes[i]}
-        deadline=$((SECONDS + heartbeat + 30))
-      fi
+    [ "${codes[i]}" -ne 0 ] || continue
+    say "process $i (pid ${pids[i]}) $(describe "${codes[i]}")"
+    if [ -z "$candidate" ] || [ "$(severity "${codes[i]}")" -gt "$(severity "${codes[candidate]}")" ]; then
+      candidate=$i
     fi
   done
-  if [ $running -gt 0 ] && [ $deadline -gt 0 ] && [ $SECONDS -ge $deadline ]; then
+  if [ -z "$first_failed" ] && [ -n "$candidate" ]; then
+    first_failed=$candidate; first_code=${codes[candidate]}
+    ((first_code == 75)) || deadline=$((SECONDS + heartbeat + 30))  # a preempted run is saving
+  fi
+  if ((running > 0 && deadline > 0 && SECONDS >= deadline)); then
     say "processes still running ${heartbeat}+30 s after process $first_failed failed: killing them"
     for ((i = 0; i < n; i++)); do [ -n "${codes[i]:-}" ] || kill -KILL "${pids[i]}" 2>/dev/null; done
     deadline=0
   fi
-  [ $running -gt 0 ] && sleep 0.2
-done
+  ((running > 0)) && sleep 0.2
+done 2>/dev/null
 
 if [ -n "$first_failed" ]; then
   say "run failed: process $first_failed failed first: it $(describe "$first_code")"

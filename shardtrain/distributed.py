@@ -10,8 +10,12 @@ Order (the first that applies wins):
   3. JAX's cluster detection (Open MPI, Cloud TPU VM, GKE TPU, Kubernetes), in JAX's order;
   4. nothing found: a single process, no initialisation.
 
-SHARDTRAIN_HEARTBEAT_TIMEOUT (seconds, default 100 like JAX) bounds how long the survivors of a
-dead process wait: they then print which process they lost and exit with EXIT_PEER_LOST.
+When a process dies, the others stop instead of hanging: a collective with the dead process fails
+at once when its connections are reset (they then print why and exit with EXIT_PEER_LOST), and
+otherwise JAX's coordination service aborts them (SIGABRT, "tasks are unhealthy (stopped sending
+heartbeats)") after SHARDTRAIN_HEARTBEAT_TIMEOUT seconds (default 100, like JAX). JAX's runtime
+client takes a missed-heartbeat callback, but jax 0.10.2 cannot call a Python one (std::bad_cast).
+An uncaught error in one process is printed with its process index, which then exits at once.
 """
 
 from __future__ import annotations
@@ -99,13 +103,12 @@ def initialize(env: Mapping[str, str] = os.environ) -> None:
     if "process_id" in p.kwargs:
         _tag = f"shardtrain[process {p.kwargs['process_id']}/{p.kwargs['num_processes']}]"
     timeout = int(env.get("SHARDTRAIN_HEARTBEAT_TIMEOUT", "100"))
-    with _peer_loss_reported():
-        try:
-            jax.distributed.initialize(**p.kwargs, heartbeat_timeout_seconds=timeout)
-        except ValueError as e:
-            if p.kwargs or "coordinator_address should be defined" not in str(e):
-                raise
-            return  # JAX found no cluster: a single process
+    try:
+        jax.distributed.initialize(**p.kwargs, heartbeat_timeout_seconds=timeout)
+    except ValueError as e:
+        if p.kwargs or "coordinator_address should be defined" not in str(e):
+            raise
+        return  # JAX found no cluster: a single process
     if jax.process_count() > 1:
         _tag = f"shardtrain[process {jax.process_index()}/{jax.process_count()}]"
         sys.excepthook = _report_and_exit
@@ -121,40 +124,19 @@ def tag() -> str:
     return _tag
 
 
+PEER_FAILURE_SIGNS = ("Gloo", "Connection reset", "connection reset", "heartbeat", "NCCL", "DEADLINE_EXCEEDED")
+"""Words in a runtime error that most likely follows from another process's death."""
+
+
 def _report_and_exit(kind, value, tb) -> None:
     """Uncaught error in a run of several processes: print it with the process index and leave at
     once. A normal exit would wait in JAX's shutdown barrier for peers that are stuck in a collective
-    with this process; exiting makes them notice within the heartbeat timeout."""
+    with this process; exiting makes them notice (connection reset, or the heartbeat timeout)."""
     text = "".join(traceback.format_exception(kind, value, tb))
+    if kind.__name__ == "JaxRuntimeError" and any(s in str(value) for s in PEER_FAILURE_SIGNS):
+        print(f"{text}{tag()}: error: a collective with another process failed ({value}). Another process most "
+              f"likely died; its own log says why. Stopping (exit {EXIT_PEER_LOST}).", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
     print(f"{text}{tag()}: error: {kind.__name__}: {value}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(EXIT_ERROR)
-
-
-class _peer_loss_reported:
-    """While `jax.distributed.initialize` runs, hands JAX's runtime client a callback for a lost peer
-    (the coordination service's heartbeat error) that prints a clear message and exits with
-    EXIT_PEER_LOST, instead of the default C++ abort and stack dump. Uses a private JAX seam; if it
-    is gone in a later JAX, the default abort remains."""
-
-    def __enter__(self):
-        from jax._src import distributed as jax_distributed
-        self.module = getattr(jax_distributed, "_jax", None)
-        self.original = getattr(self.module, "get_distributed_runtime_client", None)
-        if self.original is not None:
-            original = self.original
-
-            def client_with_callback(*args, **kwargs):
-                return original(*args, **kwargs, missed_heartbeat_callback=_on_peer_lost)
-            self.module.get_distributed_runtime_client = client_with_callback
-        return self
-
-    def __exit__(self, *exc):
-        if self.original is not None:
-            self.module.get_distributed_runtime_client = self.original
-
-
-def _on_peer_lost(status) -> None:
-    print(f"{tag()}: error: lost contact with the other processes of this run ({status}). Another process "
-          f"most likely died; its own log says why. Stopping (exit {EXIT_PEER_LOST}).", file=sys.stderr, flush=True)
-    os._exit(EXIT_PEER_LOST)
