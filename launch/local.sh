@@ -117,7 +117,9 @@ while ((running > 0)); do
   ((running > 0)) && sleep 0.2
 done 2>/dev/null
 
-if [ -n "$first_failed" ]; then
+if ((first_code == 75)); then
+  say "run preempted: every process saved the same step; rerun the same command to resume"
+elif [ -n "$first_failed" ]; then
   say "run failed: process $first_failed failed first: it $(describe "$first_code")"
 fi
 exit "$first_code"
