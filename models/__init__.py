@@ -6,6 +6,7 @@ Models name logical axes only; `constrain(x, names)` is handed in by the trainer
 from __future__ import annotations
 
 import importlib
+import math
 
 import jax
 from flax import nnx
@@ -23,7 +24,7 @@ def get(name: str):
 
 def param(rngs: nnx.Rngs, init, shape, names) -> nnx.Param:
     """A parameter annotated with logical axis names (sharded later by the trainer)."""
-    return nnx.Param(init(rngs.params(), shape), sharding_names=tuple(names), eager_sharding=False)
+    return nnx.Param(init(rngs.params(), shape), out_sharding=tuple(names), eager_sharding=False)
 
 
 def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
@@ -43,6 +44,19 @@ def scan_blocks(blocks, x, wrap=lambda body: body):
     def body(x, layer_state):
         return nnx.merge(graphdef, layer_state)(x), None
     return jax.lax.scan(body, x, state, unroll=True)[0]
+
+
+def dense(x, w, n_in=1):
+    """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul
+    (XLA's CPU backend runs (N, K) @ (K, M) much faster than a batched einsum, backward too)."""
+    lead, k = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in])
+    return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
+
+
+def embed_lookup(table_vd, tokens_bt):
+    """Token embeddings as a one-hot matmul: it shards cleanly over vocab and embed, where a
+    gather from a vocab-sharded table makes XLA replicate the table."""
+    return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd)
 
 
 def no_constraint(x, names):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import no_constraint, param, scan_blocks, stacked
+from models import dense, embed_lookup, no_constraint, param, scan_blocks, stacked
 
 normal = nnx.initializers.normal
 ones = nnx.initializers.ones
@@ -48,15 +48,15 @@ class Block(nnx.Module):
     def __call__(self, x_btd):
         c = self.constrain
         h_btd = rms_norm(x_btd, self.attn_norm[...])
-        q_bthe = c(rotary(jnp.einsum("btd,dhe->bthe", h_btd, self.wq_dhe[...]), self.theta), ("batch", "seq", "heads", None))
-        k_btke = c(rotary(jnp.einsum("btd,dke->btke", h_btd, self.wk_dke[...]), self.theta), ("batch", "seq", "kv_heads", None))
-        v_btke = c(jnp.einsum("btd,dke->btke", h_btd, self.wv_dke[...]), ("batch", "seq", "kv_heads", None))
+        q_bthe = c(rotary(dense(h_btd, self.wq_dhe[...]), self.theta), ("batch", "seq", "heads", None))
+        k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta), ("batch", "seq", "kv_heads", None))
+        v_btke = c(dense(h_btd, self.wv_dke[...]), ("batch", "seq", "kv_heads", None))
         o_bthe = jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True)
-        x_btd = c(x_btd + jnp.einsum("bthe,hed->btd", o_bthe, self.wo_hed[...]), ("batch", "seq", None))
+        x_btd = c(x_btd + dense(o_bthe, self.wo_hed[...], n_in=2), ("batch", "seq", None))
         h_btd = rms_norm(x_btd, self.mlp_norm[...])
-        gate_btf = c(jnp.einsum("btd,df->btf", h_btd, self.w_gate_df[...]), ("batch", "seq", "mlp"))
-        up_btf = c(jnp.einsum("btd,df->btf", h_btd, self.w_up_df[...]), ("batch", "seq", "mlp"))
-        out_btd = jnp.einsum("btf,fd->btd", jax.nn.silu(gate_btf) * up_btf, self.w_down_fd[...])
+        gate_btf = c(dense(h_btd, self.w_gate_df[...]), ("batch", "seq", "mlp"))
+        up_btf = c(dense(h_btd, self.w_up_df[...]), ("batch", "seq", "mlp"))
+        out_btd = dense(jax.nn.silu(gate_btf) * up_btf, self.w_down_fd[...])
         return c(x_btd + out_btd, ("batch", "seq", None))
 
 
@@ -69,11 +69,11 @@ class Gpt(nnx.Module):
         self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        x_btd = jnp.einsum("btv,vd->btd", jax.nn.one_hot(tokens_bt, self.embedding_vd.shape[0], dtype=self.embedding_vd.dtype), self.embedding_vd[...])
+        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt)
         return self.constrain(x_btd, ("batch", "seq", None))
 
     def head(self, x_btd):
-        logits_btv = jnp.einsum("btd,dv->btv", rms_norm(x_btd, self.final_norm[...]), self.unembed_dv[...])
+        logits_btv = dense(rms_norm(x_btd, self.final_norm[...]), self.unembed_dv[...])
         return self.constrain(logits_btv, ("batch", "seq", "vocab"))
 
     def __call__(self, tokens_bt):

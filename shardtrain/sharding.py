@@ -57,7 +57,7 @@ def logical_names(abstract_state: nnx.State) -> dict:
     def names(v):
         n = v.get_metadata().get("out_sharding")
         return tuple(n) if n is not None else (None,) * len(v.shape)
-    return jax.tree.map(names, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
+    return nnx.to_pure_dict(jax.tree.map(names, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def path_str(path) -> str:

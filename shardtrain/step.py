@@ -89,7 +89,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
     names = sharding.logical_names(abstract_params)
     param_dtype, compute_dtype = dtype(cfg.train.param_dtype), dtype(cfg.train.compute_dtype)
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype),
-                                   abstract_params.to_pure_dict())
+                                   nnx.to_pure_dict(abstract_params))
     param_shardings = sharding.named(mesh, sharding.param_specs(abstract_params, names, cfg.rules, mesh))
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, sharding.spec_for(
@@ -107,7 +107,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
 
     def init(seed):
         cls = models.get(cfg.model.name)
-        params = nnx.split(cls(cfg.model, rngs=nnx.Rngs(params=seed)))[1].to_pure_dict()
+        params = nnx.to_pure_dict(nnx.split(cls(cfg.model, rngs=nnx.Rngs(params=seed)))[1])
         params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
