@@ -60,9 +60,15 @@ def visible_gpus(env: Mapping[str, str]) -> int | None:
     return None if ids is None else len([i for i in ids.split(",") if i.strip()])
 
 
+def slurm_coordinator(env: Mapping[str, str]) -> str:
+    """The first node of the step and a port derived from the job id, as JAX's SlurmCluster picks them."""
+    port = env.get("JAX_COORDINATOR_PORT") or str(int(env["SLURM_JOB_ID"]) % 2 ** 12 + 65536 - 2 ** 12)
+    m = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", env["SLURM_STEP_NODELIST"])  # "gpu[017-018],x" -> gpu, 017
+    return f"{m.group(1)}{m.group(2) or ''}:{port}"
+
+
 def slurm_plan(env: Mapping[str, str]) -> InitPlan:
-    from jax._src.clusters import SlurmCluster  # JAX's parsing of the node list and port
-    kwargs = dict(coordinator_address=SlurmCluster.get_coordinator_address(None, env.get("JAX_COORDINATOR_PORT")),
+    kwargs = dict(coordinator_address=slurm_coordinator(env),
                   num_processes=int(env["SLURM_NTASKS"]), process_id=int(env["SLURM_PROCID"]),
                   cluster_detection_method="deactivate")
     if slurm_tasks_on_node(env) == 1:

@@ -143,7 +143,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
         loss, grads = loss_and_grads(state["params"], tokens_bt)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
         return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
 
     return Program(
