@@ -83,6 +83,10 @@ def two_processes(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("two") / "run"
     r = train(2, run_dir, "train.steps=6", *HYBRID)
     assert "shardtrain[process 1/2] joined via SHARDTRAIN_* variables: 4 local of 8 devices" in r.stderr
+    # Only process 0 reports: the progress bar and summary come from it alone.
+    assert "done: step 6" in r.stdout + r.stderr
+    process_1 = [line for line in r.stderr.splitlines() if line.startswith("[process 1]")]
+    assert process_1 and not any("done:" in line or "step/s" in line for line in process_1)
     return run_dir
 
 
