@@ -12,7 +12,7 @@
 #   SHARDTRAIN_CMD                command to run (default: `shardtrain` on PATH, else python3 -m shardtrain.cli)
 #
 # Process 0 writes to this terminal as is (progress bar, metrics); the others' lines go to stderr
-# prefixed with "[process i]". SIGTERM or Ctrl-C is forwarded to every process as SIGTERM, so all
+# prefixed with "[process i]" (without gloo's "Rank r is connected" chatter). SIGTERM or Ctrl-C is forwarded to every process as SIGTERM, so all
 # save a checkpoint at the same step and exit 75; a second Ctrl-C kills them. Exits with the first
 # non-zero exit code of a process (0 when all succeed) and says which process failed first.
 set -u
@@ -50,7 +50,7 @@ for ((i = 0; i < n; i++)); do
   if [ "$i" -eq 0 ]; then
     "${run[@]}" &
   else
-    "${run[@]}" > >(awk -v p="[process $i] " '{ print p $0; fflush() }' >&2) 2>&1 &
+    "${run[@]}" > >(awk -v p="[process $i] " '/^\[Gloo\] Rank [0-9]+ is connected/ { next } { print p $0; fflush() }' >&2) 2>&1 &
   fi
   pids+=($!)
   say "process $i of $n: pid $!"

@@ -142,7 +142,15 @@ def _report_and_exit(kind, value, tb) -> None:
     if kind.__name__ == "JaxRuntimeError" and any(s in str(value) for s in PEER_FAILURE_SIGNS):
         print(f"{text}{tag()}: error: a collective with another process failed ({value}). Another process most "
               f"likely died; its own log says why. Stopping (exit {EXIT_PEER_LOST}).", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_LOST)
+        leave_after_error(EXIT_PEER_LOST)
     print(f"{text}{tag()}: error: {kind.__name__}: {value}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(EXIT_ERROR)
+    leave_after_error(EXIT_ERROR)
+
+
+def leave_after_error(code: int) -> None:
+    """In a run of several processes, exits now: after an error the peers may never reach JAX's
+    shutdown barrier, and a normal exit would wait there for minutes. A lone process returns."""
+    if _tag != "shardtrain":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
