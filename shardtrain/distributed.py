@@ -27,6 +27,8 @@ import sys
 import traceback
 from typing import Mapping
 
+from shardtrain.config import ConfigError
+
 EXIT_PEER_LOST = 69
 """Exit code of a process that stopped because another process of the run died (EX_UNAVAILABLE)."""
 EXIT_ERROR = 1
@@ -84,12 +86,13 @@ def plan(env: Mapping[str, str] = os.environ) -> InitPlan:
     if "SHARDTRAIN_COORDINATOR" in env:
         missing = [v for v in ("SHARDTRAIN_NUM_PROCESSES", "SHARDTRAIN_PROCESS_ID") if v not in env]
         if missing:
-            raise RuntimeError(f"SHARDTRAIN_COORDINATOR is set but {' and '.join(missing)} is not; set all three")
-        local = env.get("SHARDTRAIN_LOCAL_DEVICE_IDS")
+            raise ConfigError(f"SHARDTRAIN_COORDINATOR is set but {' and '.join(missing)} is not; set all three")
+        n, i = _ints(env, "SHARDTRAIN_NUM_PROCESSES")[0], _ints(env, "SHARDTRAIN_PROCESS_ID")[0]
+        if not 0 <= i < n:
+            raise ConfigError(f"SHARDTRAIN_PROCESS_ID={i} must be in 0..SHARDTRAIN_NUM_PROCESSES-1 ({n - 1})")
         return InitPlan("SHARDTRAIN_* variables", dict(
-            coordinator_address=env["SHARDTRAIN_COORDINATOR"], num_processes=int(env["SHARDTRAIN_NUM_PROCESSES"]),
-            process_id=int(env["SHARDTRAIN_PROCESS_ID"]), cluster_detection_method="deactivate",
-            local_device_ids=[int(i) for i in local.split(",")] if local else None))
+            coordinator_address=env["SHARDTRAIN_COORDINATOR"], num_processes=n, process_id=i,
+            cluster_detection_method="deactivate", local_device_ids=_ints(env, "SHARDTRAIN_LOCAL_DEVICE_IDS") or None))
     if env.get("SHARDTRAIN_NUM_PROCESSES") == "1":
         return InitPlan("SHARDTRAIN_NUM_PROCESSES=1", None)
     slurm_vars = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
@@ -97,6 +100,14 @@ def plan(env: Mapping[str, str] = os.environ) -> InitPlan:
         # One task: no initialisation, so it keeps all of its GPUs (JAX would keep GPU 0 only).
         return slurm_plan(env) if int(env["SLURM_NTASKS"]) > 1 else InitPlan("slurm, a single task", None)
     return InitPlan("JAX cluster detection", {})
+
+
+def _ints(env: Mapping[str, str], name: str) -> list[int]:
+    """The comma-separated integers in env[name] ([] when unset)."""
+    try:
+        return [int(x) for x in env.get(name, "").split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{name}={env[name]!r} must be an integer (or a comma-separated list of them)") from None
 
 
 def initialize(env: Mapping[str, str] = os.environ) -> None:
@@ -108,7 +119,7 @@ def initialize(env: Mapping[str, str] = os.environ) -> None:
     global _tag
     if "process_id" in p.kwargs:
         _tag = f"shardtrain[process {p.kwargs['process_id']}/{p.kwargs['num_processes']}]"
-    timeout = int(env.get("SHARDTRAIN_HEARTBEAT_TIMEOUT", "100"))
+    timeout = (_ints(env, "SHARDTRAIN_HEARTBEAT_TIMEOUT") or [100])[0]
     try:
         jax.distributed.initialize(**p.kwargs, heartbeat_timeout_seconds=timeout)
     except ValueError as e:

@@ -3,6 +3,7 @@
 import pytest
 
 from shardtrain import distributed
+from shardtrain.config import ConfigError
 
 SLURM_2_NODES = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[017-018]", "SLURM_NTASKS": "2",
                  "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
@@ -16,9 +17,14 @@ def test_explicit_variables_win_and_disable_detection():
                             local_device_ids=[0, 1], cluster_detection_method="deactivate")
 
 
-def test_incomplete_explicit_variables_are_an_error():
-    with pytest.raises(RuntimeError, match="SHARDTRAIN_PROCESS_ID"):
+def test_bad_explicit_variables_name_the_variable():
+    with pytest.raises(ConfigError, match="SHARDTRAIN_COORDINATOR is set but SHARDTRAIN_PROCESS_ID is not"):
         distributed.plan({"SHARDTRAIN_COORDINATOR": "h:1", "SHARDTRAIN_NUM_PROCESSES": "2"})
+    explicit = {"SHARDTRAIN_COORDINATOR": "h:1", "SHARDTRAIN_NUM_PROCESSES": "2", "SHARDTRAIN_PROCESS_ID": "2"}
+    with pytest.raises(ConfigError, match=r"SHARDTRAIN_PROCESS_ID=2 must be in 0..SHARDTRAIN_NUM_PROCESSES-1 \(1\)"):
+        distributed.plan(explicit)
+    with pytest.raises(ConfigError, match="SHARDTRAIN_LOCAL_DEVICE_IDS='a,b' must be an integer"):
+        distributed.plan({**explicit, "SHARDTRAIN_PROCESS_ID": "0", "SHARDTRAIN_LOCAL_DEVICE_IDS": "a,b"})
 
 
 def test_single_process_needs_nothing():
