@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from shardtrain import config as config_lib
+from shardtrain import config as config_lib, distributed
 
 
 DEFAULT_CPU_DEVICES = 8
@@ -30,7 +30,7 @@ def mesh_devices(cfg: config_lib.RunConfig) -> int:
 def cmd_train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     simulated_devices(DEFAULT_CPU_DEVICES)
-    from shardtrain import distributed, loop
+    from shardtrain import loop
     distributed.initialize()
     enable_compile_cache(cfg)
     return loop.train(cfg)
@@ -83,8 +83,9 @@ def main(argv=None) -> None:
     try:
         code = args.func(args)
     except config_lib.ConfigError as e:
-        print(f"shardtrain: error: {e}", file=sys.stderr)
+        print(f"{distributed.tag()}: error: {e}", file=sys.stderr)
         code = 2
+        distributed.leave_after_error(code)
     sys.exit(code)
 
 
