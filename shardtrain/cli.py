@@ -26,10 +26,14 @@ def mesh_devices(cfg: config_lib.RunConfig) -> int:
 def cmd_train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     simulated_devices(mesh_devices(cfg))
-    from shardtrain import distributed, loop
+    from shardtrain import checkpoint, distributed, loop
     distributed.initialize()
     enable_compile_cache(cfg)
-    return loop.train(cfg)
+    try:
+        return loop.train(cfg)
+    except checkpoint.SaveFailed as e:
+        print(f"shardtrain: error: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_plan(args) -> int:
