@@ -188,6 +188,7 @@ class Checkpointer:
         try:
             return fn()
         except Exception as e:
+            self.manager.reload()  # orbax forgets steps it meant to delete after the failed save
             latest = self.manager.latest_step()
             raise SaveFailed(
                 f"saving checkpoint step {self.saving_step} to {self.dir} failed: {type(e).__name__}: {e}\n"

@@ -40,7 +40,18 @@ class Preemption:
 
 
 def train(cfg: config_lib.RunConfig) -> int:
-    """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted)."""
+    """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
+    Raises checkpoint.SaveFailed (after closing what it opened) if a checkpoint save fails."""
+    opened = []
+    try:
+        return run(cfg, opened)
+    except checkpoint.SaveFailed:
+        for thing in reversed(opened):
+            thing.close()
+        raise
+
+
+def run(cfg: config_lib.RunConfig, opened: list) -> int:
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
@@ -55,6 +66,7 @@ def train(cfg: config_lib.RunConfig) -> int:
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
     ckpt = checkpoint.Checkpointer(prog)
+    opened += [preemption, ckpt]
     restored = ckpt.restore_latest(say=lambda text: is_main and print(text, flush=True))
     if restored is None:
         state, start = prog.init(cfg.train.seed), 0
@@ -68,6 +80,7 @@ def train(cfg: config_lib.RunConfig) -> int:
         print(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}", flush=True)
 
     metrics = Metrics(cfg, n_params, start)
+    opened.append(metrics)
     if start > 0:
         metrics.event("resume", step=start)
     rows = prog.local_rows()

@@ -110,7 +110,7 @@ class Metrics:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        rows = [json.loads(line) for line in open(self.dir / "metrics.jsonl") if line.strip()]
+        rows = [json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         points = sorted({r["step"]: r["loss"] for r in rows if "loss" in r}.items())
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([p[0] for p in points], [p[1] for p in points])
