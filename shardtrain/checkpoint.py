@@ -14,8 +14,10 @@ resumes onto another mesh shape or device count without hand-written restore arg
 
 Safety: only committed steps (orbax writes `N.orbax-checkpoint-tmp`, then `commit_success.txt`
 and an atomic rename) are restored. A committed step that fails to read (files truncated or
-deleted) is reported, moved aside to `unusable/N` (never deleted: it does not count towards
-max_to_keep, and cannot collide with a new save of step N), and the next older one is tried.
+deleted) is reported and the next older one is tried; once a good one is found the bad ones are
+moved aside to `unusable/N` (never deleted: they no longer count towards max_to_keep and cannot
+collide with a new save of step N). If no committed step reads back, nothing is moved and the run
+stops with the reasons (the storage may only be unreachable) instead of silently starting over.
 A failed async save raises `SaveFailed` at the next step boundary; orbax then skips the
 garbage collection of older steps, so good checkpoints survive a failed save.
 """
@@ -125,9 +127,11 @@ class Checkpointer:
 
     def restore_latest(self, say=print) -> tuple[dict, dict] | None:
         """Restores the newest committed step that reads back whole; reports and sets aside the
-        ones that do not. None when there is no usable checkpoint."""
+        newer ones that do not. None when there is no committed step; ConfigError when there are
+        some but none reads back (then nothing is moved: the storage may only be unreachable)."""
         for step in self.uncommitted:
             say(f"checkpoint step {step} was never committed (the process stopped while writing it); ignoring it")
+        failed = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 state, meta = self.restore(step)
@@ -135,13 +139,21 @@ class Checkpointer:
             except config_lib.ConfigError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure makes the step unusable
-                error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                lines = str(e).strip().splitlines()
+                error = f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
             if everyone(error is None):
+                for bad, reason in failed:
+                    self.set_aside(bad, reason)
+                    say(f"checkpoint step {bad} is unusable ({reason}); moved it to "
+                        f"{self.dir}/{UNUSABLE_DIR}/{bad} and fell back to step {step}")
                 return state, meta
-            error = error or "unreadable on another process"
-            say(f"checkpoint step {step} is unusable ({error}); moved to "
-                f"{self.dir}/{UNUSABLE_DIR}/{step}, falling back to the previous checkpoint")
-            self.set_aside(step, error)
+            failed.append((step, error or "unreadable on another process"))
+        if failed:
+            raise config_lib.ConfigError(
+                f"none of the committed checkpoints in {self.dir} can be read:\n  " +
+                "\n  ".join(f"step {s}: {r}" for s, r in failed) +
+                "\nNothing was moved or deleted. If the storage was unreachable, rerun later; if they are "
+                "damaged for good, move them out of that directory (or use a new run_dir) to start from step 0.")
         return None
 
     def set_aside(self, step: int, reason: str) -> None:

@@ -61,10 +61,9 @@ def test_checkpoint_with_other_parameter_names_lists_them(cfg_factory):
 
 
 def test_truncated_and_deleted_files_fall_back_to_newest_good_step(cfg_factory, capsys):
-    prog = program(cfg_factory, "checkpoint.max_to_keep=2")
-    state = save_steps(prog, [2, 4, 6])  # max_to_keep=2 keeps 4 and 6
+    prog = program(cfg_factory)
+    state = save_steps(prog, [2, 4, 6])
     root = prog.cfg.checkpoint_dir()
-    assert sorted(os.listdir(root)) == ["4", "6"]
     big = max(glob.glob(f"{root}/6/state/ocdbt.process_0/d/*"), key=os.path.getsize)
     os.truncate(big, os.path.getsize(big) // 2)
     os.remove(f"{root}/4/state/_METADATA")
@@ -72,25 +71,37 @@ def test_truncated_and_deleted_files_fall_back_to_newest_good_step(cfg_factory, 
 
     ckpt = checkpoint.Checkpointer(prog)
     said = []
-    assert ckpt.restore_latest(say=said.append) is None  # neither committed step is usable
+    _, meta = ckpt.restore_latest(say=said.append)
+    assert meta["step"] == 2 and meta["data_position"] == 2 * 8
     assert said[0].startswith("checkpoint step 8 was never committed")
-    assert said[1].startswith("checkpoint step 6 is unusable (") and f"{root}/unusable/6" in said[1]
+    assert said[1].startswith("checkpoint step 6 is unusable (") and said[1].endswith(
+        f"moved it to {root}/unusable/6 and fell back to step 2")
     assert said[2].startswith("checkpoint step 4 is unusable (") and "_METADATA" in said[2]
-    assert ckpt.manager.all_steps() == []
+    assert ckpt.manager.all_steps() == [2]
     assert "Encountered error while reading" in Path(f"{root}/unusable/6/UNUSABLE.txt").read_text()
-    # New saves of the same step numbers work, and the bad ones are kept aside, never deleted.
-    for s in (2, 4, 6):
+    # New saves of the same step numbers work; the bad ones stay aside, never deleted.
+    for s in (4, 6):
         ckpt.save(s, state)
     ckpt.wait()
-    assert ckpt.manager.all_steps() == [4, 6]
+    assert ckpt.manager.all_steps() == [2, 4, 6]
     assert sorted(os.listdir(f"{root}/unusable")) == ["4", "6"]
-    restored, meta = checkpoint.Checkpointer(prog).restore_latest(say=said.append)
-    assert meta["step"] == 6 and meta["data_position"] == 6 * 8
+    assert checkpoint.Checkpointer(prog).restore_latest(say=said.append)[1]["step"] == 6
 
     assert checkpoint.list_main(prog.cfg.run_dir) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [r[:2] for r in rows] == [["4", "committed"], ["4", "unusable"], ["6", "committed"], ["6", "unusable"]]
+    assert [r[:2] for r in rows] == [["2", "committed"], ["4", "committed"], ["4", "unusable"],
+                                     ["6", "committed"], ["6", "unusable"]]
     assert rows[0][4:6] == ["data=2,fsdp=2,tensor=2", "(8"] and float(rows[0][2]) > 0.1  # MB
+
+
+def test_no_readable_checkpoint_stops_without_moving_anything(cfg_factory):
+    prog = program(cfg_factory)
+    save_steps(prog, [2])
+    root = prog.cfg.checkpoint_dir()
+    os.remove(f"{root}/2/meta/metadata")
+    with pytest.raises(config.ConfigError, match="none of the committed checkpoints .* step 2: .*Nothing was moved"):
+        checkpoint.Checkpointer(prog).restore_latest(say=lambda _: None)
+    assert sorted(os.listdir(root)) == ["2"]
 
 
 def test_newest_corrupt_step_falls_back_and_good_steps_survive_later_saves(cfg_factory):
