@@ -44,14 +44,14 @@ def train(cfg: config_lib.RunConfig) -> int:
     Raises checkpoint.SaveFailed (after closing what it opened) if a checkpoint save fails."""
     opened = []
     try:
-        return run(cfg, opened)
+        return _train(cfg, opened)
     except checkpoint.SaveFailed:
         for thing in reversed(opened):
             thing.close()
         raise
 
 
-def run(cfg: config_lib.RunConfig, opened: list) -> int:
+def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
