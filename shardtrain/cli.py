@@ -30,10 +30,14 @@ def mesh_devices(cfg: config_lib.RunConfig) -> int:
 def cmd_train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     simulated_devices(DEFAULT_CPU_DEVICES)
-    from shardtrain import loop
+    from shardtrain import checkpoint, loop
     distributed.initialize()
     enable_compile_cache(cfg)
-    return loop.train(cfg)
+    try:
+        return loop.train(cfg)
+    except checkpoint.SaveFailed as e:
+        print(f"{distributed.tag()}: error: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_plan(args) -> int:
