@@ -42,7 +42,8 @@ def pick_chip(name: str | None, devices, memory_limit: float | None = None) -> c
     chip = chips_lib.CHIPS[name] if name else (chips_lib.for_device_kind(devices[0].device_kind)
                                                 or chips_lib.CHIPS["cpu"])
     if memory_limit is not None:
-        chip = dataclasses.replace(chip, hbm_bytes=float(memory_limit))
+        per_host = len(devices) if chip.host_shared else 1
+        chip = dataclasses.replace(chip, hbm_bytes=float(memory_limit) * per_host)
     return chip
 
 

@@ -77,18 +77,16 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
     limit = plan.per_device(chip, n).hbm_bytes
     rows, rejected, todo = [], [], []
     for sizes in factorisations(n):
-        for m in microbatch_counts(cfg, sizes) or [0]:
-            if m == 0:
-                rejected.append({"mesh": sizes, "reason": "no micro-batch count splits the batch over data x fsdp"})
-                continue
+        reasons = []
+        for m in microbatch_counts(cfg, sizes):
             try:
                 c = candidate(cfg, sizes, m)
                 prog = step_lib.build(c, mesh_lib.make_mesh(c.mesh, devices))
             except ConfigError as e:
-                rejected.append({"mesh": sizes, "microbatches": m, "reason": str(e)})
+                reasons.append(str(e))
                 continue
             except ImportError as e:  # a pipeline module not present in this build
-                rows.append(Row(sizes, m, f"not built: {e}"))
+                rows.append(Row(sizes, m, f"not built: {e.name or e}"))
                 continue
             state = plan.shard_bytes(prog.abstract_state)
             row = Row(sizes, m, "ranked", state_bytes=state)
@@ -97,6 +95,10 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
                 row.status = "no fit (state)"
             else:
                 todo.append((row, prog))
+        if reasons and not any(r.mesh == sizes for r in rows):
+            rejected.append({"mesh": sizes, "reason": "; ".join(dict.fromkeys(reasons))})
+        elif not microbatch_counts(cfg, sizes):
+            rejected.append({"mesh": sizes, "reason": "no micro-batch count splits the batch over data x fsdp"})
     if not rows:
         raise ConfigError(f"no mesh of {n} devices suits this model: " +
                           "; ".join(f"{r['mesh']}: {r['reason']}" for r in rejected[:4]))
