@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 GB = 1e9
 GiB = 2 ** 30
-CPU_FLOPS, CPU_BANDWIDTH = 50e9, 10 * GB
+CPU_FLOPS, CPU_BANDWIDTH = 57.8e9, 1.19 * GB
 
 
 @dataclass(frozen=True)

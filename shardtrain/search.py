@@ -39,15 +39,17 @@ def factorisations(n: int) -> list[dict[str, int]]:
 
 
 def microbatch_counts(cfg: RunConfig, sizes: dict[str, int]) -> list[int | None]:
-    """Micro-batch counts to try for a pipeline of sizes['pipeline'] stages: P, 2P, 4P and the
-    configured one, where the micro-batch still splits over data x fsdp."""
+    """Micro-batch counts to try for a pipeline of P = sizes["pipeline"] stages: 2P, 4P and the
+    configured one, where the micro-batch still splits over data x fsdp; P (a bubble of about half
+    the step) only when none of those does."""
     p = sizes["pipeline"]
     if p == 1:
         return [None]
     batch = cfg.train.global_batch_size // cfg.train.grad_accum_steps
     shards = sizes["data"] * sizes["fsdp"]
     wanted = sorted({p, 2 * p, 4 * p} | ({cfg.train.microbatches} if cfg.train.microbatches else set()))
-    return [m for m in wanted if batch % m == 0 and (batch // m) % shards == 0]
+    valid = [m for m in wanted if batch % m == 0 and (batch // m) % shards == 0]
+    return [m for m in valid if m != p or len(valid) == 1 or m == cfg.train.microbatches]
 
 
 def candidate(cfg: RunConfig, sizes: dict[str, int], microbatches: int | None) -> RunConfig:
