@@ -75,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices")
     pl.add_argument("--write", metavar="YAML", help="with --search: write the best mesh as a config")
+    pl.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory per device instead of the chip's")
     pl.set_defaults(func=cmd_plan)
     c = sub.add_parser("ckpt", help="list a run's checkpoints")
     c.add_argument("run_dir")
