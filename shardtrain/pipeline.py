@@ -106,7 +106,7 @@ def runner(cfg: RunConfig, mesh: Mesh):
         def pipeline(staged, x_mbtd):
             staged = jax.tree.map(lambda w: w[0], staged)  # (v, Lg, ...) on this stage
             stage = jax.lax.axis_index(AXIS)
-            buffer_mbtd = jax.lax.pcast(x_mbtd, (AXIS,), to="varying")
+            buffer_mbtd = jax.lax.pcast(x_mbtd, (AXIS,), to="varying").astype(dtype)
 
             def iteration(carry, step):
                 buffer_mbtd, out_btd = carry
@@ -120,16 +120,19 @@ def runner(cfg: RunConfig, mesh: Mesh):
                 layers = jax.tree.map(lambda w: w[repeat], staged)
                 return (buffer_mbtd, run_group(nnx.merge(graphdef, layers), in_btd)), None
 
-            out_btd = jax.lax.pcast(jnp.zeros_like(x_mbtd[0]), (AXIS,), to="varying")
+            out_btd = jnp.zeros_like(buffer_mbtd[0])
             steps = jnp.arange(v * m_count + stages - 1)
             buffer_mbtd, out_btd = jax.lax.scan(iteration, (buffer_mbtd, out_btd), steps)[0]
             # the last micro-batch's final output is still on stage P-1
             recv_btd = jax.lax.ppermute(out_btd, AXIS, ring)
             buffer_mbtd = buffer_mbtd.at[m_count - 1].set(recv_btd)
-            return jax.lax.psum(jnp.where(stage == 0, buffer_mbtd, 0), AXIS)
+            return jax.lax.psum(jnp.where(stage == 0, buffer_mbtd, 0).astype(jnp.float32), AXIS)
 
+        # The two all-reduces over `pipeline` (the outputs, and the inputs' cotangent) run in f32:
+        # in bf16 XLA's CPU compiler aborts in AllReducePromotion ("Invalid binary instruction opcode copy").
+        dtype = x_mbtd.dtype
         y_mbtd = jax.shard_map(pipeline, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(),
-                               axis_names={AXIS})(staged, x_mbtd)
-        return y_mbtd.swapaxes(0, 1).reshape(b, t, d)
+                               axis_names={AXIS})(staged, x_mbtd.astype(jnp.float32))
+        return y_mbtd.astype(dtype).swapaxes(0, 1).reshape(b, t, d)
 
     return run
