@@ -15,11 +15,6 @@ from orbax.checkpoint._src.path import atomicity
 
 from shardtrain import checkpoint, config, loop, mesh as mesh_lib, metrics, step as step_lib
 
-# The core still uses three APIs deprecated in flax 0.12.8 / optax 0.2.8 (not this code).
-pytestmark = [pytest.mark.filterwarnings("ignore:'sharding_names' is deprecated:DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore:`flax.nnx.State` will be deprecated:DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated:DeprecationWarning")]
-
 TINY = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16",
         "train.global_batch_size=8", "data.source=synthetic", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
@@ -194,6 +189,23 @@ def test_resumed_metrics_keep_each_step_once(tmp_path):
     metrics.drop_rows_after(path, 4)
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r.get("step") for r in kept] == [1, 2, 3, 4, 4] and kept[-1]["event"] == "resume"
+
+
+def test_list_shows_uncommitted_steps_and_the_custom_directory(tmp_path, capsys):
+    run, ckpts = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"checkpoint:\n  directory: {ckpts}\n")
+    (ckpts / "4" / "meta").mkdir(parents=True)
+    (ckpts / "4" / "commit_success.txt").write_text("ok")
+    (ckpts / "4" / "meta" / "metadata").write_text(json.dumps(
+        {"mesh": {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1}, "devices": 8, "processes": 2}))
+    (ckpts / "6.orbax-checkpoint-tmp").mkdir()
+    (ckpts / "6.orbax-checkpoint-tmp" / "x").write_bytes(b"0" * 500_000)
+    assert checkpoint.list_main(str(run)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"checkpoints in {ckpts}"
+    assert out[2].split() == ["4", "committed", "0.00", "MB", "fsdp=8", "(8", "devices,", "2", "processes)"]
+    assert out[3].split()[:4] == ["6", "uncommitted", "0.50", "MB"] and "half-written" in out[3]
 
 
 def test_list_of_missing_run_dir_is_a_config_error(tmp_path):

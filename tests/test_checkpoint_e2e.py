@@ -43,7 +43,13 @@ def train(run_dir, *overrides) -> str:
 
 def rows(run_dir) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    found = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            found.append(json.loads(line))
+        except ValueError:  # a line being written while we poll, or cut by a kill
+            pass
+    return found
 
 
 def losses(run_dir) -> dict[int, float]:

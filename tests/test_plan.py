@@ -15,9 +15,6 @@ import pytest
 from shardtrain import chips, config, hlo, mesh as mesh_lib, plan, search, step
 
 # The core still calls flax/optax APIs that flax 0.12.8 / optax 0.2.8 deprecate (for the core to fix).
-pytestmark = [pytest.mark.filterwarnings("ignore:'sharding_names' is deprecated:DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore:`flax.nnx.State` will be deprecated:DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated:DeprecationWarning")]
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=16",
          "train.global_batch_size=8", "data.source=synthetic"]
