@@ -12,7 +12,6 @@ from flax import nnx
 from shardtrain import config, loop, mesh as mesh_lib, pipeline, step as step_lib
 from shardtrain.config import ConfigError
 
-# The core (models.param, step.build) still uses flax/optax APIs deprecated in 0.12.8 / 0.2.8.
 
 SMALL = ["model.d_model=32", "model.n_layers=8", "model.d_ff=64", "model.n_heads=2", "model.n_kv_heads=2",
          "data.seq_len=16", "train.global_batch_size=32", "data.source=synthetic"]
