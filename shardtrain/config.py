@@ -215,6 +215,11 @@ def _convert(tp, value, where: str):
         return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-2 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, str, bool) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
