@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 GB = 1e9
 GiB = 2 ** 30
+CPU_FLOPS, CPU_BANDWIDTH = 57.8e9, 1.19 * GB
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class Chip:
     """Bytes/s per chip across hosts / slices."""
     device_kinds: tuple[str, ...] = ()
     """Substrings of jax's `device_kind` that identify this chip."""
+    host_shared: bool = False
+    """The figures are for a whole host that simulates all devices (the `cpu` entry): the planner
+    divides them among the devices."""
 
 
 CHIPS = {c.name: c for c in [
@@ -45,7 +49,9 @@ CHIPS = {c.name: c for c in [
     Chip("a100", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB, ("A100",)),
     Chip("h100", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB, ("H100",)),
     Chip("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB, ("H200",)),
-    Chip("cpu", 50e9, 24 * GiB, 10 * GB, 5 * GB, 1 * GB, ()),
+    # Whole machine (2 cores), measured by calibrate_cpu() on 2026-12-02 while other jobs shared
+    # the cores; "ICI" is an in-memory copy between simulated devices.
+    Chip("cpu", CPU_FLOPS, 8 * GiB, CPU_BANDWIDTH, CPU_BANDWIDTH, CPU_BANDWIDTH, (), host_shared=True),
 ]}
 
 
@@ -55,3 +61,30 @@ def for_device_kind(kind: str) -> Chip | None:
         if any(k.lower() in kind.lower() for k in chip.device_kinds):
             return chip
     return None
+
+
+def calibrate_cpu(seconds: float = 1.0) -> Chip:
+    """A `cpu` entry measured now on this machine: float32 matmul FLOP/s and copy bandwidth of the
+    whole host (best of a few repetitions, each about seconds / 4)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    cpu = jax.devices("cpu")[0]
+
+    def best_rate(f, x, work):
+        f(x).block_until_ready()
+        best, end = 0.0, time.perf_counter() + seconds / 2
+        while time.perf_counter() < end or best == 0.0:
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            best = max(best, work / (time.perf_counter() - t0))
+        return best
+
+    n = 1024
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    flops = best_rate(jax.jit(lambda x: x @ x), a, 2 * n ** 3)
+    v = jax.device_put(jnp.ones((32 * 2 ** 20,), jnp.float32), cpu)  # 128 MiB: past the caches
+    bandwidth = best_rate(jax.jit(lambda x: x * 1.0001), v, 2 * v.nbytes)  # read + write
+    return Chip("cpu", flops, CHIPS["cpu"].hbm_bytes, bandwidth, bandwidth, bandwidth, (), host_shared=True)

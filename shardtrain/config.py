@@ -303,6 +303,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
+    if str(cfg.run_dir).startswith("gs://"):
+        raise ConfigError(f"run_dir={cfg.run_dir}: must be a local directory (metrics, plots); put "
+                          "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")
     for axis in t.sync_axes:
         if axis not in MESH_AXES:
             raise ConfigError(f"train.sync_axes: unknown mesh axis '{axis}'; mesh axes: {', '.join(MESH_AXES)}")

@@ -5,7 +5,7 @@ from shardtrain.config import ConfigError
 
 
 def test_demo_loads_with_overrides():
-    cfg = config.load("meshes/demo.yaml", ["train.steps=7", "mesh.tensor=4", "run_dir=/tmp/x",
+    cfg = config.load("meshes/demo.yaml", ["train.steps=7", "mesh.data=2", "mesh.tensor=4", "run_dir=/tmp/x",
                                            "rules.batch=[data]", "train.profile_steps=[2, 3]"])
     assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, 2, 4)
     assert cfg.train.steps == 7 and cfg.run_dir == "/tmp/x" and cfg.name == "demo"
