@@ -132,8 +132,11 @@ class TrainConfig:
     profile_steps: Optional[tuple[int, int]] = None
     """[first, last] steps to trace with jax.profiler into run_dir/profile."""
     microbatches: Optional[int] = None
-    """Pipeline micro-batches; default 2 x pipeline stages."""
+    """Pipeline micro-batches M per (accumulation) step; default: the largest M <= 4 x pipeline
+    stages that divides each data replica's rows."""
     pipeline_schedule: Literal["gpipe", "circular"] = "gpipe"
+    """`gpipe`: one contiguous group of layers per stage; `circular`: pipeline_repeats
+    non-adjacent groups per stage (bubble (P-1)/(repeats*M+P-1), needs M >= stages)."""
     pipeline_repeats: int = 1
     """Circular schedule: groups of layers per stage (divides the bubble by this)."""
     grad_reduce_dtype: Literal["float32", "bfloat16", "int8"] = "float32"

@@ -5,6 +5,7 @@ Train state (a plain dict pytree, checkpointed as is):
   params: the model's parameters (pure nested dict, param_dtype, sharded by the rules)
   opt:    optax state, sharded exactly like the parameters
   step:   int32 scalar
+  comm, replicas: only with compressed reduction / local SGD (see comm.py)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
-from shardtrain import optim, sharding
+from shardtrain import comm, optim, sharding
 from shardtrain.config import RunConfig
 
 REMAT_POLICIES = {
@@ -84,6 +85,11 @@ def cross_entropy(logits_btv, targets_bt):
 
 
 def build(cfg: RunConfig, mesh: Mesh) -> Program:
+    run_blocks = scan_runner(cfg)
+    if mesh.shape["pipeline"] > 1:
+        from shardtrain import pipeline
+        run_blocks = pipeline.runner(cfg, mesh)  # first: its errors name layers, stages, repeats
+
     constrain = sharding.Constrain(cfg.rules, mesh)
     graphdef, abstract_params = nnx.split(abstract_model(cfg, constrain))
     names = sharding.logical_names(abstract_params)
@@ -111,40 +117,50 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
         params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    run_blocks = scan_runner(cfg)
-    if mesh.shape["pipeline"] > 1:
-        from shardtrain import pipeline
-        run_blocks = pipeline.runner(cfg, mesh)
+    def make_loss_and_grads(constrain):
+        """loss_and_grads for the model with activations constrained by `constrain` (comm runs it per replica)."""
+        graphdef = nnx.split(abstract_model(cfg, constrain))[0]
 
-    def loss_fn(params, tokens_bt):
-        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        x_btd = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
-        return cross_entropy(model.head(x_btd), tokens_bt[:, 1:])
+        def loss_fn(params, tokens_bt):
+            model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+            x_btd = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
+            return cross_entropy(model.head(x_btd), tokens_bt[:, 1:])
 
-    def loss_and_grads(params, tokens_bt):
-        """Mean loss and gradients over train.grad_accum_steps micro-batches (= the full batch's)."""
-        accum = cfg.train.grad_accum_steps
-        if accum == 1:
-            return jax.value_and_grad(loss_fn)(params, tokens_bt)
-        micro_abt = tokens_bt.reshape(accum, -1, tokens_bt.shape[-1])  # (A, B/A, T+1)
+        def loss_and_grads(params, tokens_bt):
+            """Mean loss and gradients over train.grad_accum_steps micro-batches (= the full batch's)."""
+            accum = cfg.train.grad_accum_steps
+            if accum == 1:
+                return jax.value_and_grad(loss_fn)(params, tokens_bt)
+            micro_abt = tokens_bt.reshape(accum, -1, tokens_bt.shape[-1])  # (A, B/A, T+1)
 
-        def body(carry, micro_bt):
-            micro_bt = jax.lax.with_sharding_constraint(micro_bt, batch_sharding)
-            loss, grads = jax.value_and_grad(loss_fn)(params, micro_bt)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+            def body(carry, micro_bt):
+                loss, grads = jax.value_and_grad(loss_fn)(params, constrain(micro_bt, ("batch", None)))
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        total = jax.lax.scan(body, zeros, micro_abt)[0]
-        return jax.tree.map(lambda x: x / accum, total)
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            total = jax.lax.scan(body, zeros, micro_abt)[0]
+            return jax.tree.map(lambda x: x / accum, total)
+        return loss_and_grads
 
     lr = optim.schedule(cfg)
 
-    def train_step(state, tokens_bt):
-        loss, grads = loss_and_grads(state["params"], tokens_bt)
+    def update(state, loss, grads):
+        """Applies reduced gradients: params, opt and step advance; other state entries pass through."""
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
-        return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
+        return {**state, "params": params, "opt": opt, "step": state["step"] + 1}, metrics
+
+    loss_and_grads = make_loss_and_grads(constrain)
+
+    def train_step(state, tokens_bt):
+        return update(state, *loss_and_grads(state["params"], tokens_bt))
+
+    if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
+        state_shardings, init, train_step = comm.build(cfg, mesh, comm.Base(
+            state_shardings, init, update, make_loss_and_grads))
+        abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      jax.eval_shape(init, jax.random.key(0)), state_shardings)
 
     return Program(
         cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=state_shardings,
