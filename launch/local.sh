@@ -90,6 +90,7 @@ codes=()
 running=$n
 first_code=0
 first_failed=""
+hung=()  # processes that neither worked nor exited: killed by this script
 deadline=0  # once a process failed, the others get the heartbeat timeout plus a margin to stop
 while ((running > 0)); do
   candidate=""  # the most telling failure among the processes that ended since the last poll
@@ -111,7 +112,9 @@ while ((running > 0)); do
   fi
   if ((running > 0 && deadline > 0 && SECONDS >= deadline)); then
     say "processes still running ${heartbeat}+30 s after process $first_failed failed: killing them"
-    for ((i = 0; i < n; i++)); do [ -n "${codes[i]:-}" ] || kill -KILL "${pids[i]}" 2>/dev/null; done
+    for ((i = 0; i < n; i++)); do
+      [ -n "${codes[i]:-}" ] || { kill -KILL "${pids[i]}" 2>/dev/null; hung+=("$i"); }
+    done
     deadline=0
   fi
   ((running > 0)) && sleep 0.2
@@ -119,6 +122,8 @@ done 2>/dev/null
 
 if ((first_code == 75)); then
   say "run preempted: every process saved the same step; rerun the same command to resume"
+elif [ -n "$first_failed" ] && [ "$(severity "$first_code")" -eq 1 ] && ((${#hung[@]} > 0)); then
+  say "run failed: process ${hung[*]} stopped responding (process $first_failed $(describe "$first_code")); killed it"
 elif [ -n "$first_failed" ]; then
   say "run failed: process $first_failed failed first: it $(describe "$first_code")"
 fi

@@ -141,6 +141,18 @@ def test_sigterm_to_one_process_preempts_both_and_the_rerun_resumes(tmp_path):
     assert sorted(losses(run_dir)) == [saved + 1, saved + 2]
 
 
+def test_sigterm_to_the_launcher_is_forwarded_to_every_process(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "launcher.log"
+    launcher, _ = start_long_run(run_dir, log)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 75
+    out = log.read_text()
+    assert "local.sh: SIGTERM received: asking every process to save and stop (SIGTERM)" in out
+    for i in range(2):
+        assert re.search(rf"local.sh: process {i} \(pid \d+\) exited with 75 \(preempted", out)
+    assert len(checkpoint_steps(run_dir)) == 1
+
+
 def test_killed_process_stops_the_others_and_the_launcher_names_it(tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "launcher.log"
     launcher, pid = start_long_run(run_dir, log)
