@@ -112,7 +112,7 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
         futures = {}
         for row, prog in todo:
             try:
-                futures[pool.submit(prog.lower().compile)] = (row, prog)
+                futures[pool.submit(plan.compile_fast, prog.lower(), devices[0].platform)] = (row, prog)
             except ConfigError as e:
                 row.status = f"not built: {e}"
                 bar.update()
