@@ -21,7 +21,7 @@ import yaml
 from tqdm import tqdm
 
 from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, step as step_lib
-from shardtrain.config import MESH_AXES, ConfigError, MeshConfig, RunConfig, dump, validate
+from shardtrain.config import ConfigError, MeshConfig, RunConfig, dump, validate
 
 
 def divisors(n: int) -> list[int]:
