@@ -87,8 +87,8 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
             except ConfigError as e:
                 reasons.append(str(e))
                 continue
-            except ImportError as e:  # a pipeline module not present in this build
-                rows.append(Row(sizes, m, f"not built: {e.name or e}"))
+            except Exception as e:  # e.g. a pipeline module missing or failing: report, go on
+                rows.append(Row(sizes, m, f"not built: {type(e).__name__}: {str(e)[:200]}"))
                 continue
             state = plan.shard_bytes(prog.abstract_state)
             row = Row(sizes, m, "ranked", state_bytes=state)
@@ -113,12 +113,15 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
         for row, prog in todo:
             try:
                 futures[pool.submit(plan.compile_fast, prog.lower(), devices[0].platform)] = (row, prog)
-            except ConfigError as e:
-                row.status = f"not built: {e}"
+            except Exception as e:  # one mesh that does not lower must not stop the search
+                row.status = f"not built: {type(e).__name__}: {str(e)[:200]}"
                 bar.update()
         for future in concurrent.futures.as_completed(futures):
             row, prog = futures[future]
-            row.report = plan.report(prog, future.result(), chip)
+            try:
+                row.report = plan.report(prog, future.result(), chip)
+            except Exception as e:
+                row.status = f"not built: {type(e).__name__}: {str(e)[:200]}"
             bar.update()
     bar.close()
     ranked = sorted(rows, key=rank_key)
