@@ -170,7 +170,8 @@ def format_table(result: dict) -> str:
         r = row["report"]
         if r is None:
             state = plan.gib(row["state_bytes_per_device"]) if row["state_bytes_per_device"] else "-"
-            lines.append(f"{i:>3}  {label:<28}{'no':<6}{state:>14}{'-':>14}{'-':>12}{'-':>8}  {row['status']}")
+            fits = "no" if row["status"].startswith("no fit") else "-"
+            lines.append(f"{i:>3}  {label:<28}{fits:<6}{state:>14}{'-':>14}{'-':>12}{'-':>8}  {row['status']}")
             continue
         e = r["estimate"]
         lines.append(f"{i:>3}  {label:<28}{'yes' if r['fits'] else 'no':<6}"
