@@ -8,9 +8,13 @@ Sources (vendor spec sheets, retrieved 2026):
   A100:    nvidia.com A100 datasheet (SXM 80GB) 312 TFLOP/s, 80 GB at 2039 GB/s, NVLink 600 GB/s
   H100:    nvidia.com H100 datasheet (SXM)    989 TFLOP/s, 80 GB at 3350 GB/s, NVLink 900 GB/s
   H200:    nvidia.com H200 datasheet (SXM)    989 TFLOP/s, 141 GB at 4800 GB/s, NVLink 900 GB/s
-  DCN / inter-node: 25 GB/s per host (200 Gbit/s NIC class for TPU VMs; 8 x 400 Gbit/s InfiniBand
-  = 400 GB/s per 8-GPU node, i.e. 50 GB/s per GPU).
-The `cpu` entry is calibrated on this machine by bench/plan_accuracy.py (measured, not a spec).
+  DCN / inter-node, per chip: a TPU VM host's 200 Gbit/s NIC class (25 GB/s) shared by its chips (4 per
+  v4 / v5p host, 8 per v5e / v6e host); DGX A100: one 200 Gbit/s HDR InfiniBand port per GPU (25 GB/s);
+  DGX H100 / H200: one 400 Gbit/s NDR port per GPU (50 GB/s). These are the least certain figures here.
+  Interconnect figures are one direction: NVLink's 600 / 900 GB/s are both directions together.
+The `cpu` entry describes this whole machine (2 shared cores), measured with calibrate_cpu()
+(float32 matmul FLOP/s, copy bandwidth) by bench/plan_accuracy.py; the planner divides it among the
+simulated devices. Its memory is an 8 GiB share of the 23 GiB host.
 """
 
 from __future__ import annotations
@@ -42,15 +46,15 @@ class Chip:
 
 
 CHIPS = {c.name: c for c in [
-    Chip("v4", 275e12, 32 * GiB, 1200 * GB, 300 * GB, 25 * GB, ("TPU v4",)),
-    Chip("v5e", 197e12, 16 * GiB, 819 * GB, 200 * GB, 25 * GB, ("TPU v5 lite", "TPU v5e")),
-    Chip("v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 25 * GB, ("TPU v5p", "TPU v5")),
-    Chip("v6e", 918e12, 32 * GiB, 1640 * GB, 448 * GB, 25 * GB, ("TPU v6", "TPU v6e")),
+    Chip("v4", 275e12, 32 * GiB, 1200 * GB, 300 * GB, 25 / 4 * GB, ("TPU v4",)),
+    Chip("v5e", 197e12, 16 * GiB, 819 * GB, 200 * GB, 25 / 8 * GB, ("TPU v5 lite", "TPU v5e")),
+    Chip("v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 25 / 4 * GB, ("TPU v5p", "TPU v5")),
+    Chip("v6e", 918e12, 32 * GiB, 1640 * GB, 448 * GB, 25 / 8 * GB, ("TPU v6", "TPU v6e")),
     Chip("a100", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB, ("A100",)),
     Chip("h100", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB, ("H100",)),
     Chip("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB, ("H200",)),
-    # Whole machine (2 cores), measured by calibrate_cpu() on 2026-12-02 while other jobs shared
-    # the cores; "ICI" is an in-memory copy between simulated devices.
+    # Whole machine, measured by calibrate_cpu() on 2026-12-02 while other jobs shared the cores
+    # (it read 17-58 GFLOP/s and 0.5-1.2 GB/s as the load changed); "ICI" is a copy in memory.
     Chip("cpu", CPU_FLOPS, 8 * GiB, CPU_BANDWIDTH, CPU_BANDWIDTH, CPU_BANDWIDTH, (), host_shared=True),
 ]}
 

@@ -21,7 +21,7 @@ import yaml
 from tqdm import tqdm
 
 from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, step as step_lib
-from shardtrain.config import MESH_AXES, ConfigError, MeshConfig, RunConfig, dump, validate
+from shardtrain.config import ConfigError, MeshConfig, RunConfig, dump, validate
 
 
 def divisors(n: int) -> list[int]:
@@ -87,8 +87,8 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
             except ConfigError as e:
                 reasons.append(str(e))
                 continue
-            except ImportError as e:  # a pipeline module not present in this build
-                rows.append(Row(sizes, m, f"not built: {e.name or e}"))
+            except Exception as e:  # e.g. a pipeline module missing or failing: report, go on
+                rows.append(Row(sizes, m, f"not built: {type(e).__name__}: {str(e)[:200]}"))
                 continue
             state = plan.shard_bytes(prog.abstract_state)
             row = Row(sizes, m, "ranked", state_bytes=state)
@@ -112,13 +112,16 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
         futures = {}
         for row, prog in todo:
             try:
-                futures[pool.submit(prog.lower().compile)] = (row, prog)
-            except ConfigError as e:
-                row.status = f"not built: {e}"
+                futures[pool.submit(plan.compile_fast, prog.lower(), devices[0].platform)] = (row, prog)
+            except Exception as e:  # one mesh that does not lower must not stop the search
+                row.status = f"not built: {type(e).__name__}: {str(e)[:200]}"
                 bar.update()
         for future in concurrent.futures.as_completed(futures):
             row, prog = futures[future]
-            row.report = plan.report(prog, future.result(), chip)
+            try:
+                row.report = plan.report(prog, future.result(), chip)
+            except Exception as e:
+                row.status = f"not built: {type(e).__name__}: {str(e)[:200]}"
             bar.update()
     bar.close()
     ranked = sorted(rows, key=rank_key)
@@ -167,7 +170,8 @@ def format_table(result: dict) -> str:
         r = row["report"]
         if r is None:
             state = plan.gib(row["state_bytes_per_device"]) if row["state_bytes_per_device"] else "-"
-            lines.append(f"{i:>3}  {label:<28}{'no':<6}{state:>14}{'-':>14}{'-':>12}{'-':>8}  {row['status']}")
+            fits = "no" if row["status"].startswith("no fit") else "-"
+            lines.append(f"{i:>3}  {label:<28}{fits:<6}{state:>14}{'-':>14}{'-':>12}{'-':>8}  {row['status']}")
             continue
         e = r["estimate"]
         lines.append(f"{i:>3}  {label:<28}{'yes' if r['fits'] else 'no':<6}"

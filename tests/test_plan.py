@@ -185,3 +185,10 @@ def test_plan_a_1b_gpt_on_256_devices(tmp_path):
     assert m["params"] == (r["params"]["bytes"] - norms) // 16 + norms
     assert m["optimizer"] == 2 * m["params"] + 12
     assert 0 < m["temp"] and m["total"] < 95 * 2 ** 30 and r["fits"]
+
+
+def test_cli_bad_input_exits_2_with_the_fix(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "shardtrain.cli", "plan", "meshes/demo.yaml", "--devices", "6"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "needs 8 devices but 6 are present" in run.stderr and "--search --devices 6" in run.stderr
