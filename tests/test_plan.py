@@ -191,4 +191,4 @@ def test_cli_bad_input_exits_2_with_the_fix(tmp_path):
     run = subprocess.run([sys.executable, "-m", "shardtrain.cli", "plan", "meshes/demo.yaml", "--devices", "6"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "Traceback" not in run.stderr
-    assert "needs 8 devices but 6 are present" in run.stderr and "--search --devices 6" in run.stderr
+    assert "does not divide the 6 devices" in run.stderr and "--search --devices 6" in run.stderr
