@@ -1,65 +1,302 @@
-"""Orbax async checkpoints: save the train state and run metadata, restore into any mesh.
+"""Orbax async checkpoints: save the train state and run metadata, restore onto any mesh.
 
-A checkpoint at step N holds the state after N updates (params, optimizer state, step) and a
-JSON `meta` item: the data position in global samples, the mesh it was written from and the
-resolved config. Randomness derives from (train.seed, step), so no RNG state is needed beyond
-the step. Restoring targets the shardings of the *current* config, so a run resumes onto any mesh.
+A checkpoint at step N (a directory `N/` under checkpoint.directory) holds the state after N
+updates (`state`: params, optimizer state, step counter) and a JSON item `meta`: the data
+position in global samples, the mesh and device/process counts it was written from, and the
+resolved config. Nothing else is needed to continue exactly:
+- RNG: parameters are initialised from train.seed; the train step draws no random numbers.
+- Data: sample i of the dataset is a function of (train.seed, i) (see data.py), so the data
+  pipeline's whole state is one integer, the global sample position. A grain iterator state
+  would add nothing and would tie the checkpoint to one process count (grain's state is per
+  process); the global position resumes on any number of processes and devices.
+Restoring targets the shardings of the *current* config (`prog.abstract_state`), so a run
+resumes onto another mesh shape or device count without hand-written restore arguments.
+
+Safety: only committed steps (orbax writes `N.orbax-checkpoint-tmp`, then `commit_success.txt`
+and an atomic rename) are restored. A committed step that fails to read (files truncated or
+deleted) is reported and the next older one is tried; once a good one is found the bad ones are
+moved aside to `unusable/N` (never deleted: they no longer count towards max_to_keep and cannot
+collide with a new save of step N). If no committed step reads back, nothing is moved and the run
+stops with the reasons (the storage may only be unreachable) instead of silently starting over.
+A failed async save raises `SaveFailed` at the next step boundary; orbax then skips the
+garbage collection of older steps, so good checkpoints survive a failed save.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib.util
+import json
+import os
+import time
 
 import jax
 import orbax.checkpoint as ocp
+import yaml
+from etils import epath
 
 from shardtrain import config as config_lib
 from shardtrain.step import Program
+
+UNUSABLE_DIR = "unusable"
+TMP_MARK = ".orbax-checkpoint-tmp"
+COMMIT_FILE = "commit_success.txt"
+
+
+class SaveFailed(RuntimeError):
+    """An async checkpoint save failed; the run must stop rather than believe it has a checkpoint."""
+
+
+def directory(cfg: config_lib.RunConfig) -> str:
+    """The checkpoint directory as a string (a gs:// URL is passed to orbax untouched)."""
+    path = cfg.checkpoint_dir()
+    if path.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+        raise config_lib.ConfigError(
+            f"checkpoint.directory={path}: gs:// paths need the gcsfs package (pip install gcsfs), "
+            "which orbax uses to list and rename checkpoint directories")
+    return path
+
+
+def path_key(path) -> str:
+    """'params/blocks/w_in_df' for a pytree key path (dict keys, sequence indices, attributes)."""
+    parts = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+    return "/".join(str(p) for p in parts)
+
+
+def leaf_shapes(tree) -> dict[str, tuple]:
+    return {path_key(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def mismatches(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
+    """Lines naming every path whose shape differs or that exists on one side only."""
+    lines = [f"{k}: checkpoint {saved[k]}, this config {wanted[k]}"
+             for k in sorted(saved.keys() & wanted.keys()) if saved[k] != wanted[k]]
+    lines += [f"{k}: only in the checkpoint" for k in sorted(saved.keys() - wanted.keys())]
+    lines += [f"{k}: missing from the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
+    return lines
+
+
+def config_changes(saved_config: dict, cfg: config_lib.RunConfig, sections=("model", "optimizer")) -> list[str]:
+    now = config_lib.to_dict(cfg)
+    return [f"{s}.{k}: {v!r} -> {now[s].get(k)!r}" for s in sections
+            for k, v in (saved_config.get(s) or {}).items() if now[s].get(k) != v and not isinstance(v, dict)]
+
+
+def everyone(ok: bool) -> bool:
+    """True when `ok` holds on every process (so all processes take the same branch)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.process_allgather(int(ok)).min())
 
 
 class Checkpointer:
     def __init__(self, prog: Program):
         cfg = prog.cfg
         self.prog, self.cfg = prog, cfg
+        self.dir = directory(cfg)
         c = cfg.checkpoint
+        self.uncommitted = [s.step for s in scan(self.dir) if s.state == "uncommitted"]
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=c.max_to_keep, keep_period=c.keep_period, enable_async_checkpointing=True, create=True)
-        self.manager = ocp.CheckpointManager(cfg.checkpoint_dir(), options=options, item_names=("state", "meta"))
+            max_to_keep=c.max_to_keep, keep_period=c.keep_period, enable_async_checkpointing=True,
+            create=True, cleanup_tmp_directories=True)
+        self.manager = ocp.CheckpointManager(self.dir, options=options, item_handlers={
+            "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        self.saving_step: int | None = None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def restore(self, step: int) -> tuple[dict, dict]:
-        """The state (already in this run's shardings) and metadata saved at `step`."""
+        """The state (already in this run's shardings) and metadata saved at `step`. Raises
+        ConfigError if the checkpoint does not fit the model, another exception if unreadable."""
+        saved = self.manager.item_metadata(step)["state"]
+        if saved is None:
+            raise FileNotFoundError("its array metadata (state/_METADATA) is missing")
+        bad = mismatches(leaf_shapes(saved.tree), leaf_shapes(self.prog.abstract_state))
+        if bad:
+            meta = read_meta(epath.Path(self.dir) / str(step))
+            changes = config_changes(meta.get("config", {}), self.cfg) if meta else []
+            hint = f"\nconfig changes since it was written: {'; '.join(changes)}" if changes else ""
+            raise config_lib.ConfigError(
+                f"checkpoint step {step} in {self.dir} does not fit this config's model "
+                f"({len(bad)} mismatching paths):\n  " + "\n  ".join(bad[:30]) + hint +
+                "\nResume with the config it was written with, or use another run_dir / checkpoint.directory.")
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(self.prog.abstract_state), meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
+    def restore_latest(self, say=print) -> tuple[dict, dict] | None:
+        """Restores the newest committed step that reads back whole; reports and sets aside the
+        newer ones that do not. None when there is no committed step; ConfigError when there are
+        some but none reads back (then nothing is moved: the storage may only be unreachable)."""
+        for step in self.uncommitted:
+            say(f"checkpoint step {step} was never committed (the process stopped while writing it); ignoring it")
+        failed = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step)
+                error = None
+            except config_lib.ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read failure makes the step unusable
+                lines = str(e).strip().splitlines()
+                error = f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+            if everyone(error is None):
+                for bad, reason in failed:
+                    self.set_aside(bad, reason)
+                    say(f"checkpoint step {bad} is unusable ({reason}); moved it to "
+                        f"{self.dir}/{UNUSABLE_DIR}/{bad} and fell back to step {step}")
+                return state, meta
+            failed.append((step, error or "unreadable on another process"))
+        if failed:
+            raise config_lib.ConfigError(
+                f"none of the committed checkpoints in {self.dir} can be read:\n  " +
+                "\n  ".join(f"step {s}: {r}" for s, r in failed) +
+                "\nNothing was moved or deleted. If the storage was unreachable, rerun later; if they are "
+                "damaged for good, move them out of that directory (or use a new run_dir) to start from step 0.")
+        return None
+
+    def set_aside(self, step: int, reason: str) -> None:
+        """Moves step `step` out of orbax's view (never deletes it)."""
+        if jax.process_index() == 0:
+            root = epath.Path(self.dir)
+            target = root / UNUSABLE_DIR / str(step)
+            if target.exists():
+                target = root / UNUSABLE_DIR / f"{step}-{time.time_ns()}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (root / str(step)).rename(target)
+            (target / "UNUSABLE.txt").write_text(reason + "\n")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"shardtrain set aside {step}")
+        self.manager.reload()
+
     def save(self, step: int, state: dict) -> None:
-        """Starts an async save of `state` (after `step` updates); returns once arrays are copied."""
+        """Starts an async save of `state` (after `step` updates); returns once arrays are copied.
+        Raises SaveFailed if the previous save failed."""
         meta = {
             "step": step,
             "data_position": step * self.cfg.train.global_batch_size,
             "mesh": dict(self.prog.mesh.shape),
             "devices": jax.device_count(),
             "processes": jax.process_count(),
-            "config": dataclasses.asdict(self.cfg),
+            "config": config_lib.to_dict(self.cfg),
         }
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        self._raising(self.manager.wait_until_finished)
+        self.saving_step = step
+        self._raising(lambda: self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True))
+
+    def check(self) -> None:
+        """Raises SaveFailed if a finished async save failed; never blocks on one in flight."""
+        if not self.manager.is_saving_in_progress():
+            self._raising(self.manager.wait_until_finished)
 
     def wait(self) -> None:
-        """Blocks until every pending save is committed; raises if one failed."""
-        self.manager.wait_until_finished()
-        self.manager.check_for_errors()
+        """Blocks until every pending save is committed; raises SaveFailed if one failed."""
+        self._raising(self.manager.wait_until_finished)
+
+    def _raising(self, fn):
+        try:
+            return fn()
+        except Exception as e:
+            self.manager.reload()  # orbax forgets steps it meant to delete after the failed save
+            latest = self.manager.latest_step()
+            raise SaveFailed(
+                f"saving checkpoint step {self.saving_step} to {self.dir} failed: {type(e).__name__}: {e}\n"
+                f"The run stopped. The newest committed checkpoint is step {latest}; fix the cause "
+                f"(disk space, permissions, checkpoint.directory) and rerun the same command to resume.") from e
 
     def close(self) -> None:
         self.manager.close()
 
 
 def start_step_from(meta: dict, cfg: config_lib.RunConfig) -> int:
-    position, batch = meta["data_position"], cfg.train.global_batch_size
-    if position % batch:
+    """The step to continue from, checking that the data position maps onto whole steps."""
+    position, batch, step = meta["data_position"], cfg.train.global_batch_size, meta["step"]
+    if position != step * batch:
         raise config_lib.ConfigError(
-            f"train.global_batch_size={batch} does not divide the checkpoint's data position ({position} samples)")
-    return position // batch
+            f"train.global_batch_size={batch}, but checkpoint step {step} was written with "
+            f"{position // max(step, 1)} (data position {position} samples); resume with "
+            f"train.global_batch_size={position // max(step, 1)} or use a new run_dir")
+    return step
+
+
+# ----------------------------------------------------------------------------- listing
+
+
+class StepInfo:
+    def __init__(self, path: epath.Path, step: int, state: str, note: str = ""):
+        self.path, self.step, self.state, self.note = path, step, state, note
+
+
+def scan(ckpt_dir: str) -> list[StepInfo]:
+    """Every step directory: committed, uncommitted (half-written) or set aside as unusable."""
+    root = epath.Path(ckpt_dir)
+    if not root.exists():
+        return []
+    found = []
+    for p in root.iterdir():
+        name = p.name
+        if name.isdigit():
+            committed = (p / COMMIT_FILE).exists()
+            found.append(StepInfo(p, int(name), "committed" if committed else "uncommitted"))
+        elif TMP_MARK in name and name.split(".")[0].isdigit():
+            found.append(StepInfo(p, int(name.split(".")[0]), "uncommitted"))
+        elif name == UNUSABLE_DIR:
+            for q in p.iterdir():
+                reason = (q / "UNUSABLE.txt").read_text().strip() if (q / "UNUSABLE.txt").exists() else ""
+                found.append(StepInfo(q, int(q.name.split("-")[0]), "unusable", reason))
+    return sorted(found, key=lambda s: (s.step, s.state))
+
+
+def read_meta(step_dir: epath.Path) -> dict | None:
+    try:
+        return json.loads((step_dir / "meta" / "metadata").read_text())
+    except Exception:  # noqa: BLE001 - missing or damaged: shown as unknown
+        return None
+
+
+def disk_bytes(path: epath.Path) -> int:
+    if str(path).startswith("gs://"):
+        import fsspec
+        return int(fsspec.filesystem("gs").du(str(path)))
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def checkpoint_dir_of(run_dir: str) -> str:
+    """run_dir/config.yaml's checkpoint.directory, else run_dir/checkpoints, else run_dir itself."""
+    saved = epath.Path(run_dir) / "config.yaml"
+    if saved.exists():
+        custom = ((yaml.safe_load(saved.read_text()) or {}).get("checkpoint") or {}).get("directory")
+        if custom:
+            return custom
+    if (epath.Path(run_dir) / "checkpoints").exists():
+        return str(epath.Path(run_dir) / "checkpoints")
+    return run_dir
+
+
+def describe_mesh(meta: dict | None) -> str:
+    if not meta:
+        return "?"
+    axes = ",".join(f"{a}={n}" for a, n in meta["mesh"].items() if n > 1) or "1 device"
+    return f"{axes} ({meta['devices']} devices, {meta['processes']} process{'es' * (meta['processes'] > 1)})"
+
+
+def list_main(run_dir: str) -> int:
+    """`shardtrain ckpt RUN_DIR`: one line per checkpoint step."""
+    if not epath.Path(run_dir).exists():
+        raise config_lib.ConfigError(f"run directory '{run_dir}' does not exist")
+    ckpt_dir = checkpoint_dir_of(run_dir)
+    steps = scan(ckpt_dir)
+    if not steps:
+        print(f"no checkpoints in {ckpt_dir}")
+        return 0
+    print(f"checkpoints in {ckpt_dir}")
+    print(f"{'step':>8}  {'state':<11}  {'size':>10}  mesh written from")
+    for s in steps:
+        meta = read_meta(s.path) if s.state == "committed" else None
+        mesh = describe_mesh(meta) if s.state == "committed" else \
+            "half-written: the process stopped during the save" if s.state == "uncommitted" else s.note
+        print(f"{s.step:>8}  {s.state:<11}  {disk_bytes(s.path) / 1e6:>7.2f} MB  {mesh}")
+    return 0

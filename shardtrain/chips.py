@@ -8,9 +8,13 @@ Sources (vendor spec sheets, retrieved 2026):
   A100:    nvidia.com A100 datasheet (SXM 80GB) 312 TFLOP/s, 80 GB at 2039 GB/s, NVLink 600 GB/s
   H100:    nvidia.com H100 datasheet (SXM)    989 TFLOP/s, 80 GB at 3350 GB/s, NVLink 900 GB/s
   H200:    nvidia.com H200 datasheet (SXM)    989 TFLOP/s, 141 GB at 4800 GB/s, NVLink 900 GB/s
-  DCN / inter-node: 25 GB/s per host (200 Gbit/s NIC class for TPU VMs; 8 x 400 Gbit/s InfiniBand
-  = 400 GB/s per 8-GPU node, i.e. 50 GB/s per GPU).
-The `cpu` entry is calibrated on this machine by bench/plan_accuracy.py (measured, not a spec).
+  DCN / inter-node, per chip: a TPU VM host's 200 Gbit/s NIC class (25 GB/s) shared by its chips (4 per
+  v4 / v5p host, 8 per v5e / v6e host); DGX A100: one 200 Gbit/s HDR InfiniBand port per GPU (25 GB/s);
+  DGX H100 / H200: one 400 Gbit/s NDR port per GPU (50 GB/s). These are the least certain figures here.
+  Interconnect figures are one direction: NVLink's 600 / 900 GB/s are both directions together.
+The `cpu` entry describes this whole machine (2 shared cores), measured with calibrate_cpu()
+(float32 matmul FLOP/s, copy bandwidth) by bench/plan_accuracy.py; the planner divides it among the
+simulated devices. Its memory is an 8 GiB share of the 23 GiB host.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 GB = 1e9
 GiB = 2 ** 30
+CPU_FLOPS, CPU_BANDWIDTH = 57.8e9, 1.19 * GB
 
 
 @dataclass(frozen=True)
@@ -35,17 +40,22 @@ class Chip:
     """Bytes/s per chip across hosts / slices."""
     device_kinds: tuple[str, ...] = ()
     """Substrings of jax's `device_kind` that identify this chip."""
+    host_shared: bool = False
+    """The figures are for a whole host that simulates all devices (the `cpu` entry): the planner
+    divides them among the devices."""
 
 
 CHIPS = {c.name: c for c in [
-    Chip("v4", 275e12, 32 * GiB, 1200 * GB, 300 * GB, 25 * GB, ("TPU v4",)),
-    Chip("v5e", 197e12, 16 * GiB, 819 * GB, 200 * GB, 25 * GB, ("TPU v5 lite", "TPU v5e")),
-    Chip("v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 25 * GB, ("TPU v5p", "TPU v5")),
-    Chip("v6e", 918e12, 32 * GiB, 1640 * GB, 448 * GB, 25 * GB, ("TPU v6", "TPU v6e")),
+    Chip("v4", 275e12, 32 * GiB, 1200 * GB, 300 * GB, 25 / 4 * GB, ("TPU v4",)),
+    Chip("v5e", 197e12, 16 * GiB, 819 * GB, 200 * GB, 25 / 8 * GB, ("TPU v5 lite", "TPU v5e")),
+    Chip("v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 25 / 4 * GB, ("TPU v5p", "TPU v5")),
+    Chip("v6e", 918e12, 32 * GiB, 1640 * GB, 448 * GB, 25 / 8 * GB, ("TPU v6", "TPU v6e")),
     Chip("a100", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB, ("A100",)),
     Chip("h100", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB, ("H100",)),
     Chip("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB, ("H200",)),
-    Chip("cpu", 50e9, 24 * GiB, 10 * GB, 5 * GB, 1 * GB, ()),
+    # Whole machine, measured by calibrate_cpu() on 2026-12-02 while other jobs shared the cores
+    # (it read 17-58 GFLOP/s and 0.5-1.2 GB/s as the load changed); "ICI" is a copy in memory.
+    Chip("cpu", CPU_FLOPS, 8 * GiB, CPU_BANDWIDTH, CPU_BANDWIDTH, CPU_BANDWIDTH, (), host_shared=True),
 ]}
 
 
@@ -55,3 +65,30 @@ def for_device_kind(kind: str) -> Chip | None:
         if any(k.lower() in kind.lower() for k in chip.device_kinds):
             return chip
     return None
+
+
+def calibrate_cpu(seconds: float = 1.0) -> Chip:
+    """A `cpu` entry measured now on this machine: float32 matmul FLOP/s and copy bandwidth of the
+    whole host (best of a few repetitions, each about seconds / 4)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    cpu = jax.devices("cpu")[0]
+
+    def best_rate(f, x, work):
+        f(x).block_until_ready()
+        best, end = 0.0, time.perf_counter() + seconds / 2
+        while time.perf_counter() < end or best == 0.0:
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            best = max(best, work / (time.perf_counter() - t0))
+        return best
+
+    n = 1024
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    flops = best_rate(jax.jit(lambda x: x @ x), a, 2 * n ** 3)
+    v = jax.device_put(jnp.ones((32 * 2 ** 20,), jnp.float32), cpu)  # 128 MiB: past the caches
+    bandwidth = best_rate(jax.jit(lambda x: x * 1.0001), v, 2 * v.nbytes)  # read + write
+    return Chip("cpu", flops, CHIPS["cpu"].hbm_bytes, bandwidth, bandwidth, bandwidth, (), host_shared=True)

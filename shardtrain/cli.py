@@ -7,29 +7,37 @@ import math
 import os
 import sys
 
-from shardtrain import config as config_lib
+from shardtrain import config as config_lib, distributed
+
+
+DEFAULT_CPU_DEVICES = 8
 
 
 def simulated_devices(n: int) -> None:
-    """Asks for `n` CPU devices; must run before jax is imported. Accelerators, when present, are
-    used instead (the flag only affects the host platform)."""
+    """Asks for `n` CPU devices unless XLA_FLAGS already does; must run before jax is imported.
+    Accelerators, when present, are used instead (the flag only affects the host platform)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def mesh_devices(cfg: config_lib.RunConfig) -> int:
+    """The device count a mesh asks for (the default when one axis is -1)."""
     sizes = cfg.mesh.sizes().values()
-    return math.prod(sizes) if all(s > 0 for s in sizes) else 8
+    return math.prod(sizes) if all(s > 0 for s in sizes) else DEFAULT_CPU_DEVICES
 
 
 def cmd_train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
-    simulated_devices(mesh_devices(cfg))
-    from shardtrain import distributed, loop
+    simulated_devices(DEFAULT_CPU_DEVICES)
+    from shardtrain import checkpoint, loop
     distributed.initialize()
     enable_compile_cache(cfg)
-    return loop.train(cfg)
+    try:
+        return loop.train(cfg)
+    except checkpoint.SaveFailed as e:
+        print(f"{distributed.tag()}: error: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_plan(args) -> int:
@@ -47,7 +55,8 @@ def cmd_ckpt(args) -> int:
 def enable_compile_cache(cfg: config_lib.RunConfig) -> None:
     import jax
     if cfg.train.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/shardtrain/jax"))
+        cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_home, "shardtrain", "jax"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
@@ -66,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices")
     pl.add_argument("--write", metavar="YAML", help="with --search: write the best mesh as a config")
+    pl.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory per device instead of the chip's")
     pl.set_defaults(func=cmd_plan)
     c = sub.add_parser("ckpt", help="list a run's checkpoints")
     c.add_argument("run_dir")
@@ -78,8 +88,9 @@ def main(argv=None) -> None:
     try:
         code = args.func(args)
     except config_lib.ConfigError as e:
-        print(f"shardtrain: error: {e}", file=sys.stderr)
+        print(f"{distributed.tag()}: error: {e}", file=sys.stderr)
         code = 2
+        distributed.leave_after_error(code)
     sys.exit(code)
 
 

@@ -132,8 +132,11 @@ class TrainConfig:
     profile_steps: Optional[tuple[int, int]] = None
     """[first, last] steps to trace with jax.profiler into run_dir/profile."""
     microbatches: Optional[int] = None
-    """Pipeline micro-batches; default 2 x pipeline stages."""
+    """Pipeline micro-batches M per (accumulation) step; default: the largest M <= 4 x pipeline
+    stages that divides each data replica's rows."""
     pipeline_schedule: Literal["gpipe", "circular"] = "gpipe"
+    """`gpipe`: one contiguous group of layers per stage; `circular`: pipeline_repeats
+    non-adjacent groups per stage (bubble (P-1)/(repeats*M+P-1), needs M >= stages)."""
     pipeline_repeats: int = 1
     """Circular schedule: groups of layers per stage (divides the bubble by this)."""
     grad_reduce_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
@@ -216,6 +219,11 @@ def _convert(tp, value, where: str):
         return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-2 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, str, bool) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
@@ -307,6 +315,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
+    if str(cfg.run_dir).startswith("gs://"):
+        raise ConfigError(f"run_dir={cfg.run_dir}: must be a local directory (metrics, plots); put "
+                          "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")
     for axis in t.sync_axes:
         if axis not in MESH_AXES:
             raise ConfigError(f"train.sync_axes: unknown mesh axis '{axis}'; mesh axes: {', '.join(MESH_AXES)}")

@@ -73,9 +73,10 @@ def samples(cfg: RunConfig) -> grain.MapDataset:
     return grain.MapDataset.source(source).shuffle(seed=cfg.train.seed).repeat()
 
 
-def batches(cfg: RunConfig, rows: slice, start_step: int, end_step: int):
-    """Iterator of (step, int32 array of the rows `rows` of that step's global batch), prefetched."""
-    ds, b = samples(cfg), cfg.train.global_batch_size
+def batches(ds: grain.MapDataset, batch_size: int, rows: slice, start_step: int, end_step: int):
+    """Iterator of (step, int32 array of rows `rows` of that step's global batch of `batch_size`
+    samples from `ds`), prefetched in a background thread."""
+    b = batch_size
     steps = grain.MapDataset.range(start_step, end_step).map(
         lambda s: (s, np.stack([ds[s * b + r] for r in range(rows.start, rows.stop)])))
     return iter(steps.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))

@@ -23,8 +23,11 @@ class Preemption:
     def __init__(self):
         self.requested = False
         self.multiprocess = jax.process_count() > 1
-        if not self.multiprocess:
-            signal.signal(signal.SIGTERM, self._on_signal)
+        self.previous = None if self.multiprocess else signal.signal(signal.SIGTERM, self._on_signal)
+
+    def close(self):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
     def _on_signal(self, *_):
         self.requested = True
@@ -37,7 +40,19 @@ class Preemption:
 
 
 def train(cfg: config_lib.RunConfig) -> int:
-    """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted)."""
+    """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
+    Raises checkpoint.SaveFailed (after closing what it opened) if a checkpoint save fails."""
+    opened = []
+    try:
+        return _train(cfg, opened)
+    except checkpoint.SaveFailed:
+        for thing in reversed(opened):
+            thing.close()
+        raise
+
+
+def _train(cfg: config_lib.RunConfig, opened: list) -> int:
+    dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
@@ -48,24 +63,27 @@ def train(cfg: config_lib.RunConfig) -> int:
         print(f"shardtrain: {cfg.model.name} {n_params / 1e6:.2f}M params on {jax.device_count()} "
               f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; compiling...", flush=True)
 
+    preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
     ckpt = checkpoint.Checkpointer(prog)
-    latest = ckpt.latest_step()
-    if latest is None:
+    opened += [preemption, ckpt]
+    restored = ckpt.restore_latest(say=lambda text: is_main and print(text, flush=True))
+    if restored is None:
         state, start = prog.init(cfg.train.seed), 0
     else:
-        state, meta = ckpt.restore(latest)
+        state, meta = restored
         start = checkpoint.start_step_from(meta, cfg)
         if is_main:
-            print(f"resuming from checkpoint step {latest} (written on mesh {meta['mesh']})", flush=True)
+            print(f"resuming from checkpoint step {start} (written on mesh {checkpoint.describe_mesh(meta)}; "
+                  f"data position {meta['data_position']} samples)", flush=True)
     if is_main:
         print(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}", flush=True)
 
     metrics = Metrics(cfg, n_params, start)
+    opened.append(metrics)
     if start > 0:
         metrics.event("resume", step=start)
-    preemption = Preemption()
     rows = prog.local_rows()
     global_shape = prog.abstract_batch().shape
     profile = cfg.train.profile_steps
@@ -81,7 +99,7 @@ def train(cfg: config_lib.RunConfig) -> int:
             metrics.log(pending[0], values, now - last_done)
             last_done, pending = now, None
 
-    for i, local_batch in data.batches(cfg, rows, start, cfg.train.steps):
+    for i, local_batch in data.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps):
         if profile and i == profile[0]:
             jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
         batch = jax.make_array_from_process_local_data(prog.batch_sharding, local_batch, global_shape)
@@ -104,15 +122,17 @@ def train(cfg: config_lib.RunConfig) -> int:
             finish_pending()
             ckpt.save(done, state)
             last_done = time.perf_counter()  # the save's blocking part is not a step's time
+        ckpt.check()  # a failed async save raises checkpoint.SaveFailed at the next step boundary
     finish_pending()
     ckpt.wait()
     ckpt.close()
     metrics.close()
+    preemption.close()
     return exit_code
 
 
 def bare_loop_batches(prog: step_lib.Program, steps: int) -> list[jax.Array]:
     """The first `steps` global batches as device arrays (for benchmarks that bypass the loop)."""
-    it = data.batches(prog.cfg, prog.local_rows(), 0, steps)
+    it = data.batches(data.samples(prog.cfg), prog.cfg.train.global_batch_size, prog.local_rows(), 0, steps)
     shape = prog.abstract_batch().shape
     return [jax.make_array_from_process_local_data(prog.batch_sharding, np.asarray(b), shape) for _, b in it]

@@ -21,6 +21,23 @@ def model_flops_per_token(cfg: RunConfig, n_params: int) -> float:
     return 6 * n_params + attention
 
 
+def drop_rows_after(path: Path, step: int) -> None:
+    """Removes the step rows past `step` (logged after the checkpoint a run resumes from, e.g.
+    before a kill -9), so a resumed metrics.jsonl has each step once. Event lines stay."""
+    if not path.exists():
+        return
+    lines, kept = path.read_text().splitlines(), []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if "loss" not in row or row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    if len(kept) != len(lines):
+        path.write_text("".join(kept))
+
+
 class Metrics:
     """Logs one row per logged step; writes only on process 0 (others keep the bookkeeping)."""
 
@@ -36,6 +53,7 @@ class Metrics:
         self.file = self.tb = self.bar = None
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
+            drop_rows_after(self.dir / "metrics.jsonl", start_step)
             self.file = open(self.dir / "metrics.jsonl", "a")
             from tensorboardX import SummaryWriter
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
@@ -92,7 +110,7 @@ class Metrics:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        rows = [json.loads(line) for line in open(self.dir / "metrics.jsonl") if line.strip()]
+        rows = [json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         points = sorted({r["step"]: r["loss"] for r in rows if "loss" in r}.items())
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([p[0] for p in points], [p[1] for p in points])

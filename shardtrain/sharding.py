@@ -90,4 +90,8 @@ class Constrain:
         if self.mesh is None:
             return x
         spec = spec_for(names, self.rules, self.mesh, shape=x.shape, what=f"activation {names} {x.shape}")
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        # inside a shard_map (e.g. the pipeline's, manual over `pipeline`) constrain the other axes
+        # on the current abstract mesh, whose manual axes the spec must not name
+        current = jax.sharding.get_abstract_mesh()
+        mesh = current if current.manual_axes else self.mesh
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

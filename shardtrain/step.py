@@ -85,6 +85,11 @@ def cross_entropy(logits_btv, targets_bt):
 
 
 def build(cfg: RunConfig, mesh: Mesh) -> Program:
+    run_blocks = scan_runner(cfg)
+    if mesh.shape["pipeline"] > 1:
+        from shardtrain import pipeline
+        run_blocks = pipeline.runner(cfg, mesh)  # first: its errors name layers, stages, repeats
+
     constrain = sharding.Constrain(cfg.rules, mesh)
     graphdef, abstract_params = nnx.split(abstract_model(cfg, constrain))
     names = sharding.logical_names(abstract_params)
@@ -111,11 +116,6 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
         params = nnx.to_pure_dict(nnx.split(cls(cfg.model, rngs=nnx.Rngs(params=seed)))[1])
         params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-
-    run_blocks = scan_runner(cfg)
-    if mesh.shape["pipeline"] > 1:
-        from shardtrain import pipeline
-        run_blocks = pipeline.runner(cfg, mesh)
 
     def make_loss_and_grads(constrain):
         """loss_and_grads for the model with activations constrained by `constrain` (comm runs it per replica)."""

@@ -5,11 +5,13 @@ from shardtrain.config import ConfigError
 
 
 def test_demo_loads_with_overrides():
-    cfg = config.load("meshes/demo.yaml", ["train.steps=7", "mesh.tensor=4", "run_dir=/tmp/x",
-                                           "rules.batch=[data]", "train.profile_steps=[2, 3]"])
+    cfg = config.load("meshes/demo.yaml", ["train.steps=7", "mesh.data=2", "mesh.tensor=4", "run_dir=/tmp/x",
+                                           "rules.batch=[data]", "train.profile_steps=[2, 3]",
+                                           "optimizer.learning_rate=1e-2"])
     assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, 2, 4)
     assert cfg.train.steps == 7 and cfg.run_dir == "/tmp/x" and cfg.name == "demo"
     assert cfg.rules.batch == ("data",) and cfg.train.profile_steps == (2, 3)
+    assert cfg.optimizer.learning_rate == 0.01
 
 
 def test_default_run_dir_is_runs_config_name():
@@ -27,6 +29,7 @@ def test_dump_round_trips(tmp_path):
     ("train.stpes=3", "unknown config key 'train.stpes'; did you mean 'steps'?"),
     ("trian.steps=3", "unknown config key 'trian'; did you mean 'train'?"),
     ("train.steps=many", "train.steps: expected int, got 'many'"),
+    ("optimizer.learning_rate=fast", "optimizer.learning_rate: expected float, got 'fast'"),
     ("train.steps=0", "train.steps: must be >= 1, got 0"),
     ("train.remat=some", "train.remat: 'some' is not one of: none, full, dots, dots_no_batch"),
     ("rules.batch=[data, slice]", "rules.batch: unknown mesh axis 'slice'"),

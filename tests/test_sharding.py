@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
-from shardtrain import config, mesh as mesh_lib, sharding, step
+from shardtrain import cli, config, mesh as mesh_lib, sharding, step
 from shardtrain.config import MESH_AXES, ConfigError
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -22,9 +22,7 @@ def abstract_mesh(sizes: dict) -> AbstractMesh:
 
 def layout_text(cfg: config.RunConfig) -> str:
     """The resolved config and every parameter's path, shape and PartitionSpec."""
-    sizes = cfg.mesh.sizes()
-    assert all(s > 0 for s in sizes.values()), "shipped configs give every mesh axis explicitly"
-    mesh = abstract_mesh(sizes)
+    mesh = abstract_mesh(mesh_lib.resolve_sizes(cfg.mesh, cli.mesh_devices(cfg)))
     _, state = nnx.split(step.abstract_model(cfg))
     params = nnx.to_pure_dict(state)
     specs = sharding.param_specs(params, sharding.logical_names(state), cfg.rules, mesh)

@@ -1,0 +1,63 @@
+"""The shardtrain loop's step time against calling the same compiled step in a bare Python loop.
+
+    python bench/overhead.py [CONFIG] [KEY=VALUE ...]     (default meshes/demo.yaml, 40 steps)
+
+Runs bare, loop, bare, loop (same mesh, data and compiled program) and reports median seconds
+per step of each and their ratio (goal <= 1.03). Ratios, not absolute times, are comparable on
+this noisy machine.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+
+from shardtrain import config, loop, mesh as mesh_lib, step  # noqa: E402
+
+
+def bare(cfg) -> float:
+    """Median seconds per step: the compiled step in a plain loop, dispatch pipelined like the loop's."""
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    compiled = prog.lower().compile()
+    batches = loop.bare_loop_batches(prog, cfg.train.steps)
+    state = prog.init(cfg.train.seed)
+    times, last = [], None
+    for batch in batches:
+        state, metrics = compiled(state, batch)
+        if last is not None:
+            float(last["loss"])  # the loop also reads each step's loss, one step behind
+            times.append(time.perf_counter() - t)
+        t, last = time.perf_counter(), metrics
+    return statistics.median(times[3:])
+
+
+def shardtrain_loop(cfg) -> float:
+    with tempfile.TemporaryDirectory() as run_dir:
+        loop.train(dataclasses.replace(cfg, run_dir=run_dir))
+        rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        return statistics.median([r["step_time_s"] for r in rows if "step_time_s" in r][3:])
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 and "=" not in sys.argv[1] else "meshes/demo.yaml"
+    overrides = [a for a in sys.argv[1:] if "=" in a]
+    cfg = config.load(path, ["train.steps=40", "checkpoint.every_steps=1000", *overrides])
+    results = {"bare": [], "loop": []}
+    for _ in range(2):
+        results["bare"].append(bare(cfg))
+        results["loop"].append(shardtrain_loop(cfg))
+    b, l = statistics.median(results["bare"]), statistics.median(results["loop"])
+    print(f"{cfg.name} mesh {dict(mesh_lib.make_mesh(cfg.mesh).shape)} on {jax.device_count()} devices: "
+          f"bare {b:.3f} s/step, shardtrain loop {l:.3f} s/step, ratio {l / b:.3f} (runs: {results})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Runs a shardtrain config on every worker (host) of a Cloud TPU VM slice: copies this checkout to
+# all workers, installs it there, then starts `shardtrain train` on all of them at once. Each worker
+# is one JAX process; jax.distributed finds the others by itself (Cloud TPU detection).
+#
+#   launch/tpu_vm.sh [--dry-run] [--project ID] [--python python3.11] [--skip-install] \
+#       TPU_NAME ZONE CONFIG [KEY=VALUE ...]
+#
+#   --dry-run       print the gcloud commands instead of running them
+#   --project ID    passed to gcloud (default: gcloud's configured project)
+#   --python EXE    Python (>= 3.11) to build the venv with on the workers (default python3.11,
+#                   installed with apt when missing)
+#   --skip-install  the project is already installed on the workers: only start training
+#
+# Checkpoints must go to a directory every worker sees (checkpoint.directory=gs://BUCKET/...).
+# Metrics, TensorBoard and plots are written by process 0, on worker 0, under ~/shardtrain/runs/.
+set -euo pipefail
+
+dry_run=0
+project=()
+python=python3.11
+install=1
+usage() { echo "usage: $0 [--dry-run] [--project ID] [--python EXE] [--skip-install] TPU_NAME ZONE CONFIG [KEY=VALUE ...]" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case $1 in
+    --dry-run) dry_run=1; shift ;;
+    --project) [ $# -ge 2 ] || usage; project=(--project "$2"); shift 2 ;;
+    --python) [ $# -ge 2 ] || usage; python=$2; shift 2 ;;
+    --skip-install) install=0; shift ;;
+    -h | --help) usage ;;
+    --*) echo "unknown option $1" >&2; usage ;;
+    *) break ;;
+  esac
+done
+[ $# -ge 3 ] || usage
+name=$1; zone=$2; config=$3; shift 3
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+[ -f "$here/$config" ] || { echo "CONFIG '$config' must be a file of this checkout, relative to its root ($here)" >&2; exit 2; }
+
+show() {  # prints a command, single-quoting the words that need it
+  local out="" word
+  for word in "$@"; do
+    if [[ $word =~ ^[A-Za-z0-9_./:=@%+,-]+$ ]]; then out+="$word "
+    else out+="'${word//\'/\'\\\'\'}' "; fi
+  done
+  echo "${out% }"
+}
+run() {
+  if ((dry_run)); then show "$@"; else "$@"; fi
+}
+
+tpu=(gcloud compute tpus tpu-vm)
+where=(--zone "$zone" --worker=all ${project[@]+"${project[@]}"})
+train=$(printf '%q ' .venv/bin/shardtrain train "$config" "$@")
+
+if ((install)); then
+  archive=/tmp/shardtrain-$name.tar.gz
+  run tar czf "$archive" -C "$here" --exclude=.venv --exclude=runs --exclude=.git --exclude=__pycache__ .
+  run "${tpu[@]}" scp "$archive" "$name:shardtrain.tar.gz" "${where[@]}"
+  setup="set -e; command -v $python >/dev/null || { sudo apt-get update -q && sudo apt-get install -y -q $python $python-venv; }"
+  setup+="; rm -rf ~/shardtrain/shardtrain ~/shardtrain/models && mkdir -p ~/shardtrain && tar xzf ~/shardtrain.tar.gz -C ~/shardtrain"
+  setup+="; cd ~/shardtrain && { [ -x .venv/bin/python ] || $python -m venv .venv; }"
+  setup+="; .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e . 'jax[tpu]'"
+  run "${tpu[@]}" ssh "$name" "${where[@]}" --command "$setup"
+fi
+run "${tpu[@]}" ssh "$name" "${where[@]}" --command "cd ~/shardtrain && ${train% }"

@@ -1,0 +1,250 @@
+"""Collectives of an optimized (SPMD-partitioned) HLO module, read from `compiled.as_text()`.
+
+For each collective we find its kind, its size in bytes per device, how often it runs (collectives
+inside while loops are multiplied by XLA's known trip count) and the mesh axes its device groups
+span. Byte conventions, per device and per execution:
+
+  bytes          the size of the (full, unsharded) array the collective works on: the reduced
+                 array of an all-reduce, the gathered result of an all-gather, the input of a
+                 reduce-scatter, the buffer sent by a collective-permute, the array of an all-to-all.
+  traffic_bytes  what a bandwidth-optimal ring moves in and out of each device: 2(n-1)/n x bytes
+                 for an all-reduce, (n-1)/n x bytes for all-gather, reduce-scatter and all-to-all,
+                 1 x bytes for a collective-permute (n = devices in the group).
+
+The CPU compiler writes a reduce-scatter as an all-reduce whose result is only ever sliced by the
+device's own partition id; such all-reduces (per tuple element) are reported as `reduce-scatter`,
+which is what they do (and what a TPU/GPU compiler emits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = ")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+) .*\{\s*$")
+_OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
+_CALLEES = re.compile(r"\b(body|condition|to_apply|calls|branch_computations|called_computations)="
+                      r"(\{[^}]*\}|%[\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str
+    bytes: float
+    traffic_bytes: float
+    count: int
+    """Executions per step (trip counts of enclosing loops included)."""
+    group_size: int
+    axes: tuple[str, ...]
+
+
+def array_bytes(shape_str: str) -> list[float]:
+    """Bytes of each array in an HLO shape string (a tuple gives several)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape_str):
+        if dtype in DTYPE_BYTES:
+            out.append(DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+    return out
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """'(f32[2], f32[]) all-reduce(...' -> ('(f32[2], f32[])', 'all-reduce(...')."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:]
+    shape, _, tail = rest.partition(" ")
+    return shape, " " + tail
+
+
+def _operands(call: str) -> list[str]:
+    """Operand names of 'opcode(%a, %b), attrs' (the text after the opcode's parenthesis)."""
+    depth, end = 1, len(call)
+    for i, ch in enumerate(call):
+        depth += (ch in "({") - (ch in ")}")
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", call[:end])
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    line: str
+
+
+def parse_module(text: str) -> dict[str, list[Instr]]:
+    """Computation name -> instructions, in the order of the text (callees before callers)."""
+    comps: dict[str, list[Instr]] = {}
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = comps.setdefault(m.group(1), [])
+                if line.startswith("ENTRY"):
+                    comps["__entry__"] = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        shape, tail = _split_shape(line[m.end():])
+        op = _OPCODE.match(tail)
+        if op:
+            current.append(Instr(m.group(1), shape, op.group(1), _operands(tail[op.end():]), line))
+    return comps
+
+
+def multipliers(comps: dict[str, list[Instr]]) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry computation."""
+    entry = comps.pop("__entry__", None)
+    names = list(comps)
+    mult = defaultdict(int)
+    entry_name = next((n for n in names if comps[n] is entry), names[-1] if names else None)
+    mult[entry_name] = 1
+    for name in reversed(names):  # callers are printed after their callees
+        if not mult[name]:
+            continue
+        for ins in comps[name]:
+            trip = _TRIP.search(ins.line)
+            for key, value in _CALLEES.findall(ins.line):
+                for callee in re.findall(r"%([\w.\-]+)", value):
+                    times = int(trip.group(1)) if (trip and key == "body") else 1
+                    mult[callee] += mult[name] * times
+    return mult
+
+
+def device_groups(line: str, n_devices: int) -> list[list[int]]:
+    """Replica groups of a collective as lists of global device ids (= partition ids)."""
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}?,", line + ",")
+    if m:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(0))]
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                  r"(?: \{([^}]*)\})?", line)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        dims = [int(s) for _, s in axes]
+        ids = np.arange(math.prod(dims))
+        if m.group(2):
+            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(p) for p in m.group(3).split(",")])
+        ids = ids.reshape(dims)
+        names = [a for a, _ in axes]
+        group_axes = re.findall(r"'([^']+)'", m.group(4)) if m.group(4) is not None else names
+        keep = [names.index(a) for a in group_axes]
+        rest = [i for i in range(len(names)) if i not in keep]
+        size = math.prod(dims[i] for i in keep)
+        return ids.transpose(rest + keep).reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        ids = np.arange(int(m.group(1)) * int(m.group(2))).reshape([int(d) for d in m.group(3).split(",")])
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m and m.group(1):
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return [list(range(n_devices))]
+
+
+def group_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """Mesh axes along which the members of the groups differ (partition p sits at mesh position
+    np.unravel_index(p, mesh shape), the order of jit's device assignment)."""
+    names, dims = list(mesh_shape), list(mesh_shape.values())
+    spanned = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.array(group), dims)).T
+        spanned |= {i for i in range(len(dims)) if len(set(coords[:, i])) > 1}
+    return tuple(names[i] for i in sorted(spanned))
+
+
+def _sliced_by_partition(comp: list[Instr], name: str) -> set[int]:
+    """Tuple indices (or {-1} for a plain result) of all-reduce `name` whose every consumer also
+    takes a value derived from the partition id (a dynamic-slice of this device's shard)."""
+    tainted = {i.name for i in comp if i.opcode in ("partition-id", "replica-id")}
+    for ins in comp:
+        if ins.shape.split("{")[0].endswith("[]") and tainted.intersection(ins.operands):
+            tainted.add(ins.name)
+    consumers = defaultdict(list)
+    index_of = {name: -1}
+    for ins in comp:
+        if ins.opcode == "get-tuple-element" and ins.operands == [name]:
+            index_of[ins.name] = int(re.search(r"index=(\d+)", ins.line).group(1))
+    for ins in comp:
+        for operand in ins.operands:
+            if operand in index_of and ins.opcode != "get-tuple-element":
+                consumers[index_of[operand]].append(ins)
+    return {idx for idx, users in consumers.items()
+            if users and all(u.opcode == "dynamic-slice" or tainted.intersection(u.operands) for u in users)}
+
+
+def collectives(text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+    """Every collective of the module (one entry per instruction and kind)."""
+    comps = parse_module(text)
+    mult = multipliers(comps)
+    n_devices = math.prod(mesh_shape.values())
+    out = []
+    for cname, comp in comps.items():
+        if cname == "__entry__" or not mult[cname]:
+            continue
+        for ins in comp:
+            kind = ins.opcode.removesuffix("-start")
+            if kind not in KINDS:
+                continue
+            groups = device_groups(ins.line, n_devices)
+            n = len(groups[0]) if groups else 1
+            axes = group_axes(groups, mesh_shape)
+            sizes = array_bytes(ins.shape)
+            if ins.opcode == "all-gather-start":
+                sizes = sizes[len(sizes) // 2:]
+            elif ins.opcode == "collective-permute-start":
+                sizes = sizes[:1]
+            parts = defaultdict(float)
+            if kind == "all-reduce":
+                sliced = _sliced_by_partition(comp, ins.name)
+                for i, b in enumerate(sizes):
+                    parts["reduce-scatter" if (i in sliced or (-1 in sliced and len(sizes) == 1))
+                          else "all-reduce"] += b
+            else:
+                parts[kind] = sum(sizes)
+            for k, b in parts.items():
+                ring = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(k, (n - 1) / n)
+                out.append(Collective(k, b, b * ring, mult[cname], n, axes))
+    return out
+
+
+def summarize(items: list[Collective]) -> dict[str, dict]:
+    """kind -> {count, bytes, traffic_bytes, axes}: totals per device per step."""
+    table: dict[str, dict] = {}
+    for c in items:
+        row = table.setdefault(c.kind, {"count": 0, "bytes": 0, "traffic_bytes": 0, "axes": []})
+        row["count"] += c.count
+        row["bytes"] += c.bytes * c.count
+        row["traffic_bytes"] += c.traffic_bytes * c.count
+        axes = "+".join(c.axes) or "none"
+        if axes not in row["axes"]:
+            row["axes"].append(axes)
+    for row in table.values():
+        row["bytes"], row["traffic_bytes"] = int(row["bytes"]), int(row["traffic_bytes"])
+    return dict(sorted(table.items()))

@@ -1,0 +1,197 @@
+"""`shardtrain plan --search`: every data x pipeline x fsdp x tensor mesh of N devices (and
+micro-batch counts for pipelines), ranked by the planner's estimated step time.
+
+A mesh is valid when `step.build` accepts it: the sharding rules' divisibility errors
+(`sharding.spec_for`) and the pipeline's own checks are the filter. Valid meshes whose parameters
+and optimizer state alone (exact, from the abstract state's shard shapes) exceed the chip's memory
+are pruned without compiling; the rest are compiled in a thread pool (XLA compiles outside the
+GIL) with a progress bar.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+import sys
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+
+from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, step as step_lib
+from shardtrain.config import ConfigError, MeshConfig, RunConfig, dump, validate
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def factorisations(n: int) -> list[dict[str, int]]:
+    """Every (data, pipeline, fsdp, tensor) with product n, each once."""
+    out = []
+    for d in divisors(n):
+        for p in divisors(n // d):
+            for f in divisors(n // d // p):
+                out.append({"data": d, "pipeline": p, "fsdp": f, "tensor": n // d // p // f})
+    return out
+
+
+def microbatch_counts(cfg: RunConfig, sizes: dict[str, int]) -> list[int | None]:
+    """Micro-batch counts to try for a pipeline of P = sizes["pipeline"] stages: 2P, 4P and the
+    configured one, where the micro-batch still splits over data x fsdp; P (a bubble of about half
+    the step) only when none of those does."""
+    p = sizes["pipeline"]
+    if p == 1:
+        return [None]
+    batch = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    shards = sizes["data"] * sizes["fsdp"]
+    wanted = sorted({p, 2 * p, 4 * p} | ({cfg.train.microbatches} if cfg.train.microbatches else set()))
+    valid = [m for m in wanted if batch % m == 0 and (batch // m) % shards == 0]
+    return [m for m in valid if m != p or len(valid) == 1 or m == cfg.train.microbatches]
+
+
+def candidate(cfg: RunConfig, sizes: dict[str, int], microbatches: int | None) -> RunConfig:
+    train = dataclasses.replace(cfg.train, microbatches=microbatches) if microbatches else cfg.train
+    new = dataclasses.replace(cfg, mesh=MeshConfig(**sizes), train=train)
+    validate(new)
+    return new
+
+
+@dataclasses.dataclass
+class Row:
+    mesh: dict
+    microbatches: int | None
+    status: str
+    """ranked | no fit (state) | not built: <reason>"""
+    report: dict | None = None
+    state_bytes: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"mesh": self.mesh, "microbatches": self.microbatches, "status": self.status,
+                "state_bytes_per_device": self.state_bytes, "report": self.report}
+
+
+def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | None = None) -> dict:
+    """Plans every valid mesh of len(devices) devices; returns {'rows': ranked rows, 'rejected': ...}."""
+    n = len(devices)
+    limit = plan.per_device(chip, n).hbm_bytes
+    rows, rejected, todo = [], [], []
+    for sizes in factorisations(n):
+        reasons = []
+        for m in microbatch_counts(cfg, sizes):
+            try:
+                c = candidate(cfg, sizes, m)
+                prog = step_lib.build(c, mesh_lib.make_mesh(c.mesh, devices))
+            except ConfigError as e:
+                reasons.append(str(e))
+                continue
+            except Exception as e:  # e.g. a pipeline module missing or failing: report, go on
+                rows.append(Row(sizes, m, f"not built: {type(e).__name__}: {str(e)[:200]}"))
+                continue
+            state = plan.shard_bytes(prog.abstract_state)
+            row = Row(sizes, m, "ranked", state_bytes=state)
+            rows.append(row)
+            if state > limit:
+                row.status = "no fit (state)"
+            else:
+                todo.append((row, prog))
+        if reasons and not any(r.mesh == sizes for r in rows):
+            rejected.append({"mesh": sizes, "reason": "; ".join(dict.fromkeys(reasons))})
+        elif not microbatch_counts(cfg, sizes):
+            rejected.append({"mesh": sizes, "reason": "no micro-batch count splits the batch over data x fsdp"})
+    if not rows:
+        raise ConfigError(f"no mesh of {n} devices suits this model: " +
+                          "; ".join(f"{r['mesh']}: {r['reason']}" for r in rejected[:4]))
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+    bar = tqdm(total=len(todo), desc="compiling meshes", unit="mesh", file=sys.stderr, disable=not todo)
+
+    # Lowering (Python tracing) runs here, one mesh at a time; XLA compiles in the pool meanwhile.
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {}
+        for row, prog in todo:
+            try:
+                futures[pool.submit(plan.compile_fast, prog.lower(), devices[0].platform)] = (row, prog)
+            except Exception as e:  # one mesh that does not lower must not stop the search
+                row.status = f"not built: {type(e).__name__}: {str(e)[:200]}"
+                bar.update()
+        for future in concurrent.futures.as_completed(futures):
+            row, prog = futures[future]
+            try:
+                row.report = plan.report(prog, future.result(), chip)
+            except Exception as e:
+                row.status = f"not built: {type(e).__name__}: {str(e)[:200]}"
+            bar.update()
+    bar.close()
+    ranked = sorted(rows, key=rank_key)
+    if not any(r.report and r.report["fits"] for r in ranked):
+        raise ConfigError(no_fit_message(cfg, ranked, n, limit, chip))
+    return {"devices": n, "chip": chip.name, "memory_limit_bytes": limit,
+            "rows": [r.as_dict() for r in ranked], "rejected": rejected}
+
+
+def rank_key(row: Row):
+    r = row.report
+    if r is None:
+        return (2, row.state_bytes or math.inf)
+    return (0 if r["fits"] else 1, r["estimate"]["step_time_s"])
+
+
+def no_fit_message(cfg: RunConfig, rows: list[Row], n: int, limit: float, chip: chips_lib.Chip) -> str:
+    best = min((r for r in rows if r.state_bytes is not None), key=lambda r: r.state_bytes, default=None)
+    if best is None:
+        return f"no mesh of {n} devices could be built for this model"
+    head = f"no mesh of {n} devices fits {cfg.model.name} in {plan.gib(limit)} per device ({chip.name})"
+    if best.state_bytes > limit:
+        devices_needed = 2 ** math.ceil(math.log2(n * best.state_bytes / limit))
+        return (f"{head}: parameters + optimizer state alone need {plan.gib(best.state_bytes)} per device on the "
+                f"most sharded mesh ({plan.mesh_label(best.mesh)}); they would fit on about {devices_needed} "
+                f"devices (--devices {devices_needed}) or a chip with more memory")
+    compiled = [r for r in rows if r.report]
+    r = min(compiled, key=lambda r: r.report["memory_per_device_bytes"]["total"])
+    m = r.report["memory_per_device_bytes"]
+    activations = m["total"] - m["params"] - m["optimizer"]
+    room = limit - m["params"] - m["optimizer"]
+    batch = cfg.train.global_batch_size * room / activations if activations > 0 else 0
+    return (f"{head}: the smallest total is {plan.gib(m['total'])} on mesh {plan.mesh_label(r.mesh)}, of which "
+            f"{plan.gib(activations)} is batch and activations; try train.remat=full, train.grad_accum_steps, "
+            f"or train.global_batch_size <= about {int(batch)}")
+
+
+def format_table(result: dict) -> str:
+    head = f"{'#':>3}  {'data x pipe x fsdp x tensor':<28}{'fits':<6}{'mem/device':>14}{'comm/device':>14}" \
+           f"{'est. step':>12}{'MFU':>8}  bound by"
+    lines = [f"{len(result['rows'])} meshes of {result['devices']} devices on {result['chip']} "
+             f"(memory limit {plan.gib(result['memory_limit_bytes'])} per device); "
+             f"{len(result['rejected'])} factorisations rejected by the model's dimensions", head]
+    for i, row in enumerate(result["rows"], 1):
+        label = plan.mesh_label(row["mesh"]) + (f" M={row['microbatches']}" if row["microbatches"] else "")
+        r = row["report"]
+        if r is None:
+            state = plan.gib(row["state_bytes_per_device"]) if row["state_bytes_per_device"] else "-"
+            fits = "no" if row["status"].startswith("no fit") else "-"
+            lines.append(f"{i:>3}  {label:<28}{fits:<6}{state:>14}{'-':>14}{'-':>12}{'-':>8}  {row['status']}")
+            continue
+        e = r["estimate"]
+        lines.append(f"{i:>3}  {label:<28}{'yes' if r['fits'] else 'no':<6}"
+                     f"{plan.gib(r['memory_per_device_bytes']['total']):>14}"
+                     f"{plan.gib(r['comm_traffic_bytes_per_device']):>14}{e['step_time_s'] * 1e3:>10.2f}ms"
+                     f"{e['mfu']:>8.1%}  {e['bottleneck']}")
+    return "\n".join(lines)
+
+
+def write_best(cfg: RunConfig, result: dict, path: str) -> None:
+    """Writes the top row as a complete config (the input config with the mesh replaced)."""
+    best = next((r for r in result["rows"] if r["report"] and r["report"]["fits"]), None)
+    if best is None:
+        raise ConfigError("--write: no mesh fits, nothing to write")
+    name = Path(path).stem
+    c = dataclasses.replace(candidate(cfg, best["mesh"], best["microbatches"]), name=name, run_dir=None)
+    text = dump(c)
+    tree = yaml.safe_load(text)
+    del tree["run_dir"]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(f"# Written by `shardtrain plan --search` ({result['devices']} devices, {result['chip']}): "
+                          f"estimated {best['report']['estimate']['step_time_s'] * 1e3:.2f} ms/step\n"
+                          + yaml.safe_dump(tree, sort_keys=False))

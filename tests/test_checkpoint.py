@@ -1,0 +1,226 @@
+"""Checkpoint unit tests (in process, 8 simulated devices): fit check, corrupt-step fallback,
+failed async saves, retention options, gs:// paths, the `ckpt` listing, metrics after resume."""
+
+import errno
+import glob
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from orbax.checkpoint._src.path import atomicity
+
+from shardtrain import checkpoint, config, loop, mesh as mesh_lib, metrics, step as step_lib
+
+TINY = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16",
+        "train.global_batch_size=8", "data.source=synthetic", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+def program(cfg_factory, *overrides):
+    cfg = cfg_factory(*TINY, *overrides)
+    return step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+
+
+def save_steps(prog, steps):
+    ckpt = checkpoint.Checkpointer(prog)
+    state = prog.init(0)
+    for s in steps:
+        ckpt.save(s, state)
+    ckpt.wait()
+    ckpt.close()
+    return state
+
+
+def test_checkpoint_of_another_model_lists_mismatching_paths(cfg_factory):
+    save_steps(program(cfg_factory), [2])
+    other = program(cfg_factory, "model.d_model=64", "model.n_layers=3")
+    with pytest.raises(config.ConfigError) as e:
+        checkpoint.Checkpointer(other).restore_latest(say=lambda _: None)
+    msg = str(e.value)
+    assert "checkpoint step 2" in msg and "does not fit" in msg
+    assert "params/blocks/w_in_df: checkpoint (2, 32, 512), this config (3, 64, 512)" in msg
+    assert "opt/1/0/mu/embedding_vd: checkpoint (256, 32), this config (256, 64)" in msg
+    assert "model.d_model: 32 -> 64" in msg and "model.n_layers: 2 -> 3" in msg
+
+
+def test_checkpoint_with_other_parameter_names_lists_them(cfg_factory):
+    save_steps(program(cfg_factory), [2])
+    with pytest.raises(config.ConfigError) as e:
+        checkpoint.Checkpointer(program(cfg_factory, "model.name=gpt", "model.n_heads=2",
+                                        "model.n_kv_heads=2")).restore_latest(say=lambda _: None)
+    assert "params/blocks/w_in_df: only in the checkpoint" in str(e.value)
+    assert "params/blocks/attn" in str(e.value) and "missing from the checkpoint" in str(e.value)
+
+
+def test_truncated_and_deleted_files_fall_back_to_newest_good_step(cfg_factory, capsys):
+    prog = program(cfg_factory)
+    state = save_steps(prog, [2, 4, 6])
+    root = prog.cfg.checkpoint_dir()
+    big = max(glob.glob(f"{root}/6/state/ocdbt.process_0/d/*"), key=os.path.getsize)
+    os.truncate(big, os.path.getsize(big) // 2)
+    os.remove(f"{root}/4/state/_METADATA")
+    os.makedirs(f"{root}/8.orbax-checkpoint-tmp/state")  # a save killed half-way
+
+    ckpt = checkpoint.Checkpointer(prog)
+    said = []
+    _, meta = ckpt.restore_latest(say=said.append)
+    assert meta["step"] == 2 and meta["data_position"] == 2 * 8
+    assert said[0].startswith("checkpoint step 8 was never committed")
+    assert said[1].startswith("checkpoint step 6 is unusable (") and said[1].endswith(
+        f"moved it to {root}/unusable/6 and fell back to step 2")
+    assert said[2].startswith("checkpoint step 4 is unusable (") and "_METADATA" in said[2]
+    assert ckpt.manager.all_steps() == [2]
+    assert "Encountered error while reading" in Path(f"{root}/unusable/6/UNUSABLE.txt").read_text()
+    # New saves of the same step numbers work; the bad ones stay aside, never deleted.
+    for s in (4, 6):
+        ckpt.save(s, state)
+    ckpt.wait()
+    assert ckpt.manager.all_steps() == [2, 4, 6]
+    assert sorted(os.listdir(f"{root}/unusable")) == ["4", "6"]
+    assert checkpoint.Checkpointer(prog).restore_latest(say=said.append)[1]["step"] == 6
+
+    assert checkpoint.list_main(prog.cfg.run_dir) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["2", "committed"], ["4", "committed"], ["4", "unusable"],
+                                     ["6", "committed"], ["6", "unusable"]]
+    assert rows[0][4:6] == ["data=2,fsdp=2,tensor=2", "(8"] and float(rows[0][2]) > 0.1  # MB
+
+
+def test_no_readable_checkpoint_stops_without_moving_anything(cfg_factory):
+    prog = program(cfg_factory)
+    save_steps(prog, [2])
+    root = prog.cfg.checkpoint_dir()
+    os.remove(f"{root}/2/meta/metadata")
+    with pytest.raises(config.ConfigError, match="(?s)none of the committed checkpoints .* step 2: FileNotFoundError.*Nothing was moved"):
+        checkpoint.Checkpointer(prog).restore_latest(say=lambda _: None)
+    assert sorted(os.listdir(root)) == ["2"]
+
+
+def test_newest_corrupt_step_falls_back_and_good_steps_survive_later_saves(cfg_factory):
+    prog = program(cfg_factory, "checkpoint.max_to_keep=2")
+    state = save_steps(prog, [2, 4])
+    root = prog.cfg.checkpoint_dir()
+    for f in glob.glob(f"{root}/4/state/ocdbt.process_0/d/*"):
+        os.remove(f)
+    ckpt = checkpoint.Checkpointer(prog)
+    said = []
+    _, meta = ckpt.restore_latest(say=said.append)
+    assert meta["step"] == 2 and len(said) == 1 and "step 4 is unusable" in said[0]
+    ckpt.save(4, state)  # the bad step 4 does not count towards max_to_keep: step 2 stays
+    ckpt.wait()
+    assert sorted(os.listdir(root)) == ["2", "4", "unusable"]
+
+
+def test_failed_async_save_stops_the_run_and_keeps_good_steps(cfg_factory, monkeypatch):
+    prog = program(cfg_factory, "checkpoint.max_to_keep=1")
+    state = save_steps(prog, [1])
+    ckpt = checkpoint.Checkpointer(prog)
+
+    async def disk_full(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+    ckpt.save(2, state)  # async: returns before the failure
+    with pytest.raises(checkpoint.SaveFailed) as e:
+        ckpt.wait()
+    assert "saving checkpoint step 2" in str(e.value) and "No space left on device" in str(e.value)
+    assert "newest committed checkpoint is step 1" in str(e.value)
+    assert ckpt.manager.all_steps() == [1]
+    assert os.path.exists(f"{prog.cfg.checkpoint_dir()}/1/commit_success.txt")  # max_to_keep=1 did not delete it
+
+
+def test_failed_async_save_stops_the_training_loop(cfg_factory, monkeypatch):
+    cfg = cfg_factory(*TINY, "train.steps=8", "checkpoint.every_steps=2")
+
+    async def disk_full(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+    with pytest.raises(checkpoint.SaveFailed, match="saving checkpoint step 2 .* No space left"):
+        loop.train(cfg)
+    logged = [json.loads(line)["step"] for line in Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    assert max(logged) <= 4  # stopped at the next step boundary or save, not at the end
+
+
+def test_retention_every_steps_keep_period_and_final_checkpoint(cfg_factory):
+    cfg = cfg_factory(*TINY, "train.steps=10", "checkpoint.every_steps=3", "checkpoint.max_to_keep=2",
+                      "checkpoint.keep_period=6")
+    assert loop.train(cfg) == 0
+    steps = {s.step: s.state for s in checkpoint.scan(cfg.checkpoint_dir())}
+    assert steps == {6: "committed", 9: "committed", 10: "committed"}  # 3 dropped; 6 kept by keep_period
+
+
+def test_gs_directory_is_passed_to_orbax_untouched(cfg_factory, monkeypatch):
+    seen = {}
+
+    class Manager:
+        def __init__(self, directory, options, item_handlers):
+            seen["directory"], seen["options"] = directory, options
+
+    prog = program(cfg_factory, "checkpoint.directory=gs://bucket/runs/x", "checkpoint.max_to_keep=5",
+                   "checkpoint.keep_period=100")
+    monkeypatch.setattr(checkpoint, "scan", lambda d: [])
+    monkeypatch.setattr(ocp, "CheckpointManager", Manager)
+    monkeypatch.setattr(checkpoint.importlib.util, "find_spec", lambda name: name == "gcsfs")
+    checkpoint.Checkpointer(prog)
+    assert seen["directory"] == "gs://bucket/runs/x"
+    assert seen["options"].max_to_keep == 5 and seen["options"].keep_period == 100
+    monkeypatch.setattr(checkpoint.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(config.ConfigError, match="checkpoint.directory=gs://bucket/runs/x: .*gcsfs"):
+        checkpoint.Checkpointer(prog)
+    with pytest.raises(config.ConfigError, match="run_dir=gs://b/r: must be a local directory"):
+        config.load(None, ["run_dir=gs://b/r"])
+
+
+def test_batch_size_change_is_a_config_error(cfg_factory):
+    cfg = cfg_factory(*TINY, "train.global_batch_size=16")
+    with pytest.raises(config.ConfigError, match="train.global_batch_size=16, but checkpoint step 3 was written with 8"):
+        checkpoint.start_step_from({"step": 3, "data_position": 24}, cfg)
+    assert checkpoint.start_step_from({"step": 3, "data_position": 48}, cfg) == 3
+
+
+def test_resumed_metrics_keep_each_step_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 7)] + [{"event": "resume", "step": 4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "lo')  # cut by kill -9
+    metrics.drop_rows_after(path, 4)
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("step") for r in kept] == [1, 2, 3, 4, 4] and kept[-1]["event"] == "resume"
+
+
+def test_list_shows_uncommitted_steps_and_the_custom_directory(tmp_path, capsys):
+    run, ckpts = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"checkpoint:\n  directory: {ckpts}\n")
+    (ckpts / "4" / "meta").mkdir(parents=True)
+    (ckpts / "4" / "commit_success.txt").write_text("ok")
+    (ckpts / "4" / "meta" / "metadata").write_text(json.dumps(
+        {"mesh": {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1}, "devices": 8, "processes": 2}))
+    (ckpts / "6.orbax-checkpoint-tmp").mkdir()
+    (ckpts / "6.orbax-checkpoint-tmp" / "x").write_bytes(b"0" * 500_000)
+    assert checkpoint.list_main(str(run)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"checkpoints in {ckpts}"
+    assert out[2].split() == ["4", "committed", "0.00", "MB", "fsdp=8", "(8", "devices,", "2", "processes)"]
+    assert out[3].split()[:4] == ["6", "uncommitted", "0.50", "MB"] and "half-written" in out[3]
+
+
+def test_list_of_missing_run_dir_is_a_config_error(tmp_path):
+    with pytest.raises(config.ConfigError, match="does not exist"):
+        checkpoint.list_main(str(tmp_path / "nope"))
+    (tmp_path / "run").mkdir()
+    assert checkpoint.list_main(str(tmp_path / "run")) == 0
+
+
+def test_restored_state_is_bitwise_the_saved_one_on_another_mesh(cfg_factory):
+    prog = program(cfg_factory)
+    state = save_steps(prog, [3])
+    other = program(cfg_factory, "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1")
+    restored, meta = checkpoint.Checkpointer(other).restore_latest(say=lambda _: None)
+    assert meta["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}
+    for a, b, s in zip(jax.tree.leaves(state), jax.tree.leaves(restored), jax.tree.leaves(other.state_shardings)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding == s

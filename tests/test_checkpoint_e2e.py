@@ -1,0 +1,165 @@
+"""End-to-end preemption tests: `python -m shardtrain.cli train` subprocesses stopped by SIGTERM
+and kill -9, resumed onto the same mesh, another mesh shape and fewer devices, each compared with
+one uninterrupted run of the same config."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from shardtrain import checkpoint
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 30
+BASE = ["meshes/demo.yaml", "model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16",
+        "train.global_batch_size=8", "data.source=synthetic", f"train.steps={STEPS}",
+        f"optimizer.decay_steps={STEPS}", "checkpoint.every_steps=2"]
+
+
+def start(run_dir, *overrides) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sizes the devices from the mesh
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.Popen([sys.executable, "-m", "shardtrain.cli", "train", *BASE, f"run_dir={run_dir}", *overrides],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def train(run_dir, *overrides) -> str:
+    p = start(run_dir, *overrides)
+    out = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, out[-3000:]
+    return out
+
+
+def rows(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    found = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            found.append(json.loads(line))
+        except ValueError:  # a line being written while we poll, or cut by a kill
+            pass
+    return found
+
+
+def losses(run_dir) -> dict[int, float]:
+    steps = [r["step"] for r in rows(run_dir) if "loss" in r]
+    assert len(steps) == len(set(steps)), f"duplicate steps in metrics.jsonl: {sorted(steps)}"
+    return {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
+
+
+def saved(run_dir, step) -> tuple[list[np.ndarray], dict]:
+    """The state leaves and metadata of checkpoint `step`, read back as written."""
+    step_dir = Path(run_dir) / "checkpoints" / str(step)
+    state = ocp.StandardCheckpointer().restore(step_dir / "state")
+    return [np.asarray(x) for x in jax.tree.leaves(state)], json.loads((step_dir / "meta" / "metadata").read_text())
+
+
+def newest_committed(run_dir) -> int | None:
+    steps = [s.step for s in checkpoint.scan(str(Path(run_dir) / "checkpoints")) if s.state == "committed"]
+    return max(steps, default=None)
+
+
+def wait_for(condition, p: subprocess.Popen, timeout=300.0, poll=0.005) -> bool:
+    """True once `condition()` holds; False if the process ended first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if p.poll() is not None:
+            return False
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(poll)
+    return True
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight")
+    train(run_dir)
+    return run_dir
+
+
+def test_sigterm_exits_75_with_event_and_resumes_bitwise(straight, tmp_path):
+    p = start(tmp_path)
+    assert wait_for(lambda: len(losses(tmp_path)) >= 5, p)
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 75, out[-3000:]
+    stop = max(losses(tmp_path))
+    assert 5 <= stop < STEPS
+    assert f"preempted at step {stop}; rerun the same command to resume" in out
+    assert [r["step"] for r in rows(tmp_path) if r.get("event") == "preempted"] == [stop]
+    assert newest_committed(tmp_path) == stop
+
+    out = train(tmp_path)
+    assert f"resuming from checkpoint step {stop} " in out
+    assert losses(tmp_path) == losses(straight)  # every step, bitwise
+    for a, b in zip(saved(tmp_path, STEPS)[0], saved(straight, STEPS)[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_elastic_resume_onto_another_mesh_and_fewer_devices(straight, tmp_path):
+    train(tmp_path, "train.steps=10")  # data=2 x fsdp=2 x tensor=2 on 8 devices
+    out = train(tmp_path, "train.steps=20", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1")
+    assert "resuming from checkpoint step 10 (written on mesh data=2,fsdp=2,tensor=2 (8 devices" in out
+    assert "data position 80 samples" in out
+    out = train(tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1")  # 4 devices
+    assert "on 4 cpu devices" in out and "resuming from checkpoint step 20 (written on mesh fsdp=8 (8 devices" in out
+    assert "data position 160 samples" in out
+
+    got, want = losses(tmp_path), losses(straight)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(got[s] == want[s] for s in range(1, 11))  # same mesh: bitwise
+    np.testing.assert_allclose([got[s] for s in range(1, STEPS + 1)], [want[s] for s in range(1, STEPS + 1)],
+                               rtol=1e-5, atol=0)
+    leaves, meta = saved(tmp_path, STEPS)
+    assert meta["data_position"] == STEPS * 8 and meta["devices"] == 4
+    assert meta["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 1}
+    for a, b in zip(leaves, saved(straight, STEPS)[0], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_kill9_at_random_moments_then_final_params_equal_uninterrupted(straight, tmp_path):
+    seed = int(time.time())
+    rng = random.Random(seed)
+    plan = ["startup"] * 2 + ["mid-write"] * 4 + ["random"] * 4  # 10 kills, in a random order
+    rng.shuffle(plan)
+    kills, modes = 0, []
+    for life in range(40):
+        resume_from = newest_committed(tmp_path)
+        p = start(tmp_path, "checkpoint.every_steps=1")
+        if kills == len(plan):
+            out = p.communicate(timeout=600)[0]
+            assert p.returncode == 0, out[-3000:]
+            break
+        mode = plan[kills]
+        if mode == "startup":  # during imports, compilation or restore
+            time.sleep(rng.uniform(0.0, 4.0))
+        elif wait_for(lambda: (newest_committed(tmp_path) or 0) > (resume_from or 0), p):  # made progress
+            ckpt_dir = tmp_path / "checkpoints"
+            if mode == "mid-write":
+                wait_for(lambda: any(checkpoint.TMP_MARK in n for n in os.listdir(ckpt_dir)), p)
+            else:
+                time.sleep(rng.uniform(0.0, 0.3))
+        p.kill()
+        out = p.communicate()[0]
+        if p.returncode == 0:
+            break  # finished before the kill landed
+        kills += 1
+        modes.append(mode)
+        assert "is unusable" not in out, out[-3000:]
+        if resume_from is not None and "ready in" in out:
+            assert f"resuming from checkpoint step {resume_from} " in out, out[-3000:]
+    assert kills == len(plan), f"only {kills} kills before the run finished (seed {seed}, modes {modes})"
+    assert losses(tmp_path) == losses(straight)
+    for a, b in zip(saved(tmp_path, STEPS)[0], saved(straight, STEPS)[0], strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -1,0 +1,184 @@
+"""Several real processes on this machine, joined by jax.distributed through launch/local.sh:
+2 processes x 4 CPU devices train like 1 process x 8, checkpoints move between process counts,
+SIGTERM to one process preempts all, and a killed process stops the others."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16", "train.global_batch_size=8",
+        "data.source=synthetic", "optimizer.warmup_steps=2", "optimizer.decay_steps=6", "checkpoint.every_steps=3"]
+PLAIN = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+HYBRID = ["mesh.data=1", "mesh.dcn.data=2", "mesh.fsdp=2", "mesh.tensor=2"]  # data across the 2 processes
+LONG = ["train.steps=100000", "checkpoint.every_steps=100000"]
+
+pytestmark = pytest.mark.slow
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    e.update(SHARDTRAIN_CMD=f"{sys.executable} -m shardtrain.cli", PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+             SHARDTRAIN_HEARTBEAT_TIMEOUT="10")
+    return e
+
+
+def command(n_processes: int, run_dir: Path, *overrides: str) -> list[str]:
+    args = ["meshes/demo.yaml", f"run_dir={run_dir}", *TINY, *overrides]
+    if n_processes == 1:
+        return [sys.executable, "-m", "shardtrain.cli", "train", *args]
+    return ["launch/local.sh", str(n_processes), *args]
+
+
+def train(n_processes: int, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    r = subprocess.run(command(n_processes, run_dir, *overrides), cwd=REPO, env=env(), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, f"{n_processes} process(es) failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    return r
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss of the last run in run_dir (rows after its last resume event)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    resumed = [i for i, r in enumerate(rows) if r.get("event") == "resume"]
+    return {r["step"]: r["loss"] for r in rows[resumed[-1] + 1 if resumed else 0:] if "loss" in r}
+
+
+def assert_close(got: dict, want: dict, steps):
+    assert sorted(got) == list(steps)
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in steps)
+    assert worst < 1e-5, f"losses differ by {worst:.1e} relative: {got} vs {want}"
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def rewind(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run `src` as if it had stopped after checkpoint `step`."""
+    shutil.copytree(src, dst)
+    for s in checkpoint_steps(dst):
+        if s > step:
+            shutil.rmtree(dst / "checkpoints" / str(s))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    train(1, run_dir, "train.steps=6", *PLAIN)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("two") / "run"
+    r = train(2, run_dir, "train.steps=6", *HYBRID)
+    assert "shardtrain[process 1/2] joined via SHARDTRAIN_* variables: 4 local of 8 devices" in r.stderr
+    # Only process 0 reports: the progress bar and summary come from it alone.
+    assert "done: step 6" in r.stdout + r.stderr
+    process_1 = [line for line in r.stderr.splitlines() if line.startswith("[process 1]")]
+    assert process_1 and not any("done:" in line or "step/s" in line for line in process_1)
+    return run_dir
+
+
+def test_two_processes_train_like_one(one_process, two_processes):
+    """Hybrid mesh (mesh.dcn.data=2 over 2 processes) vs the plain 2x2x2 mesh on 1 process x 8."""
+    assert_close(losses(two_processes), losses(one_process), range(1, 7))
+    assert checkpoint_steps(two_processes) == [3, 6]
+
+
+def test_checkpoint_from_two_processes_resumes_in_one(one_process, two_processes, tmp_path):
+    run_dir = rewind(two_processes, tmp_path / "run", 3)
+    r = train(1, run_dir, "train.steps=6", *PLAIN)
+    assert "resuming from checkpoint step 3" in r.stdout
+    assert_close(losses(run_dir), losses(one_process), range(4, 7))
+
+
+def test_checkpoint_from_one_process_resumes_in_two(one_process, tmp_path):
+    run_dir = rewind(one_process, tmp_path / "run", 3)
+    r = train(2, run_dir, "train.steps=6", *PLAIN)
+    assert "resuming from checkpoint step 3" in r.stdout
+    assert_close(losses(run_dir), losses(one_process), range(4, 7))
+
+
+def start_long_run(run_dir: Path, log: Path) -> tuple[subprocess.Popen, int]:
+    """Starts a 2-process run and waits until it trains; returns the launcher and process 1's pid."""
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(command(2, run_dir, *PLAIN, *LONG), cwd=REPO, env=env(), text=True,
+                                    stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+        assert launcher.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, "the run did not start training"
+        time.sleep(0.5)
+    pid = next(int(line.split()[-1]) for line in log.read_text().splitlines()
+               if line.startswith("local.sh: process 1 of 2: pid"))
+    return launcher, pid
+
+
+def test_sigterm_to_one_process_preempts_both_and_the_rerun_resumes(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "launcher.log"
+    launcher, pid = start_long_run(run_dir, log)
+    os.kill(pid, signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 75
+    out = log.read_text()
+    [saved] = checkpoint_steps(run_dir)
+    for i in range(2):  # each process reached the same sync point, saved that step and exited 75
+        assert re.search(rf"\[process={i}\]\[thread=\w+\] Reached preemption sync point, step={saved}\b", out)
+        assert re.search(rf"local.sh: process {i} \(pid \d+\) exited with 75 \(preempted", out)
+    assert "run preempted: every process saved the same step" in out
+    r = train(2, run_dir, *PLAIN, f"train.steps={saved + 2}")
+    assert f"resuming from checkpoint step {saved}" in r.stdout
+    assert sorted(losses(run_dir)) == [saved + 1, saved + 2]
+
+
+def test_sigterm_to_the_launcher_is_forwarded_to_every_process(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "launcher.log"
+    launcher, _ = start_long_run(run_dir, log)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 75
+    out = log.read_text()
+    assert "local.sh: SIGTERM received: asking every process to save and stop (SIGTERM)" in out
+    for i in range(2):
+        assert re.search(rf"local.sh: process {i} \(pid \d+\) exited with 75 \(preempted", out)
+    assert len(checkpoint_steps(run_dir)) == 1
+
+
+def test_killed_process_stops_the_others_and_the_launcher_names_it(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "launcher.log"
+    launcher, pid = start_long_run(run_dir, log)
+    killed = time.time()
+    os.kill(pid, signal.SIGKILL)
+    code = launcher.wait(timeout=120)
+    elapsed = time.time() - killed
+    out = log.read_text()
+    assert code == 137, out[-3000:]
+    assert elapsed < 10 + 15, f"the survivor took {elapsed:.0f} s to stop (heartbeat timeout 10 s)"
+    assert f"local.sh: process 1 (pid {pid}) was killed by SIGKILL" in out
+    assert "local.sh: run failed: process 1 failed first: it was killed by SIGKILL (exit 137)" in out
+    # Process 0 stopped by itself (the launcher did not have to kill it), with a clear reason:
+    # a failed collective (exit 69) or JAX's heartbeat abort (134).
+    assert "killing them" not in out
+    assert (re.search(r"local.sh: process 0 \(pid \d+\) exited with 69 \(lost contact", out)
+            and "shardtrain[process 0/2]: error: a collective with another process failed" in out) or \
+        ("aborted (SIGABRT, exit 134" in out and "stopped sending heartbeats" in out), out[-3000:]
+
+
+def test_errors_are_logged_with_the_process_index(tmp_path):
+    """A mistake found after joining (here: a mesh of 16 devices on 8) is reported by every process."""
+    r = subprocess.run(command(2, tmp_path / "run", "mesh.data=4"), cwd=REPO, env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    for i in range(2):
+        assert f"shardtrain[process {i}/2]: error: mesh (data=4" in r.stderr
+        assert re.search(rf"local.sh: process {i} \(pid \d+\) exited with 2", r.stderr)
+    assert "needs 16 devices but 8 are present" in r.stderr

@@ -1,0 +1,125 @@
+"""A sharded train step equals the single-device step; the compiled program holds what each
+strategy promises (per-device bytes, collectives)."""
+
+import collections
+import math
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from shardtrain import config, mesh as mesh_lib, step
+from shardtrain.config import MeshConfig
+
+SMALL = ["model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=128", "model.n_layers=2",
+         "data.seq_len=16", "train.global_batch_size=16", "data.source=synthetic"]
+
+
+def one_step(cfg, devices=None):
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, prog.abstract_batch().shape, dtype=np.int32)
+    state, metrics = prog.step(prog.init(cfg.train.seed), jax.device_put(tokens, prog.batch_sharding))
+    return float(metrics["loss"]), jax.tree.map(np.asarray, state["params"])
+
+
+def rel_diff(a, b):
+    return max(np.linalg.norm(x - y) / np.linalg.norm(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """model name -> (loss, params) of one step on a single device."""
+    return {name: one_step(config.load(None, [*SMALL, f"model.name={name}"]), jax.devices()[:1])
+            for name in ("gpt", "mlp")}
+
+
+@pytest.mark.parametrize("model, data, fsdp, tensor", [
+    ("gpt", 8, 1, 1), ("gpt", 1, 8, 1), ("gpt", 1, 1, 8), ("gpt", 2, 2, 2), ("gpt", 4, 1, 2), ("mlp", 2, 2, 2)])
+def test_sharded_step_equals_single_device(reference, model, data, fsdp, tensor):
+    cfg = config.load(None, [*SMALL, f"model.name={model}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
+                             f"mesh.tensor={tensor}"])
+    loss, params = one_step(cfg)
+    ref_loss, ref_params = reference[model]
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert rel_diff(params, ref_params) <= 1e-5
+
+
+def test_grad_accumulation_equals_full_batch(reference):
+    loss, params = one_step(config.load(None, [*SMALL, "train.grad_accum_steps=4", "mesh.data=2", "mesh.fsdp=2",
+                                               "mesh.tensor=2"]))
+    ref_loss, ref_params = reference["gpt"]
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert rel_diff(params, ref_params) <= 1e-5
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_policies_keep_the_numbers(reference, policy):
+    loss, params = one_step(config.load(None, [*SMALL, f"train.remat={policy}", "mesh.fsdp=8"]))
+    assert abs(loss - reference["gpt"][0]) <= 1e-5 * reference["gpt"][0]
+    assert rel_diff(params, reference["gpt"][1]) <= 1e-5
+
+
+def test_bf16_compute_stays_close(reference):
+    loss, _ = one_step(config.load(None, [*SMALL, "train.compute_dtype=bfloat16", "mesh.data=8"]))
+    assert abs(loss - reference["gpt"][0]) <= 2e-2 * reference["gpt"][0]
+
+
+def test_optimizer_state_is_sharded_like_params():
+    cfg = config.load(None, [*SMALL, "mesh.fsdp=4", "mesh.tensor=2"])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    adam = prog.state_shardings["opt"][1][0]
+    params = prog.state_shardings["params"]
+    assert jax.tree.map(lambda s: s.spec, adam.mu) == jax.tree.map(lambda s: s.spec, params)
+    assert jax.tree.map(lambda s: s.spec, adam.nu) == jax.tree.map(lambda s: s.spec, params)
+    state = prog.init(0)
+    assert state["opt"][1][0].mu["blocks"]["w_up_df"].sharding.spec == params["blocks"]["w_up_df"].spec
+
+
+def shard_bytes(abstract_tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract_tree))
+
+
+def analytic_bytes(prog) -> int:
+    """Parameters + optimizer state per device: each array's bytes / the product of its spec's axes."""
+    total = 0
+    for x in jax.tree.leaves(prog.abstract_state):
+        ways = math.prod(prog.mesh.shape[a] for entry in x.sharding.spec if entry
+                         for a in ((entry,) if isinstance(entry, str) else entry))
+        assert math.prod(x.shape) % ways == 0
+        total += math.prod(x.shape) * x.dtype.itemsize // ways
+    return total
+
+
+@pytest.mark.parametrize("data, fsdp, tensor", [(8, 1, 1), (1, 8, 1), (2, 2, 2)])
+def test_compiled_argument_bytes_are_the_shards(data, fsdp, tensor):
+    cfg = config.load(None, [*SMALL, f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    compiled = prog.lower().compile()
+    batch_bytes = shard_bytes(prog.abstract_batch())
+    state_bytes = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
+    assert state_bytes == analytic_bytes(prog) == shard_bytes(prog.abstract_state)
+    params = sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(prog.abstract_state["params"]))
+    if fsdp == 8:  # every weight matrix split 8 ways; only the norm scales stay whole
+        norms = sum(math.prod(x.shape) * 4 for p, x in jax.tree_util.tree_leaves_with_path(
+            prog.abstract_state["params"]) if "norm" in jax.tree_util.keystr(p))
+        assert shard_bytes(prog.abstract_state["params"]) == (params - norms) // 8 + norms
+
+
+def collectives(cfg_overrides):
+    cfg = config.load(None, [*SMALL, *cfg_overrides])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    ops = re.findall(r"= (?:\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(",
+                     prog.lower().compile().as_text())
+    return collections.Counter(ops)
+
+
+def test_data_parallel_all_reduces_gradients_and_gathers_nothing():
+    found = collectives(["mesh.data=8"])
+    assert "all-gather" not in found and "collective-permute" not in found
+    assert found["all-reduce"] >= 1
+
+
+def test_fsdp_gathers_weights():
+    found = collectives(["mesh.fsdp=8"])
+    assert found["all-gather"] >= 8  # each layer's weight matrices, forward and backward
