@@ -26,7 +26,7 @@ import time
 
 import jax
 
-from shardtrain import chips as chips_lib, hlo, mesh as mesh_lib, step as step_lib
+from shardtrain import chips as chips_lib, comm, hlo, mesh as mesh_lib, step as step_lib
 from shardtrain.config import MESH_AXES, ConfigError, RunConfig
 from shardtrain.metrics import model_flops_per_token
 
@@ -98,6 +98,15 @@ def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], ch
             "comm_s": comm_s, "chip": chip.name}
 
 
+def comm_mode(prog: step_lib.Program) -> dict | None:
+    """Bytes per step over each axis for compressed reduction / local SGD (comm.bytes_per_step)."""
+    if not comm.enabled(prog.cfg):
+        return None
+    t = prog.cfg.train
+    return {"grad_reduce_dtype": t.grad_reduce_dtype, "sync": t.sync,
+            "traffic_bytes_per_step": {",".join(a): b for a, b in comm.bytes_per_step(prog).items()}}
+
+
 def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: float = 0.0) -> dict:
     """Everything `plan` says about one compiled train step (a JSON-ready dict)."""
     cfg, mesh = prog.cfg, prog.mesh
@@ -127,6 +136,7 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "margin_bytes": chip_dev.hbm_bytes - total_b,
         "margin_fraction": 1 - total_b / chip_dev.hbm_bytes,
         "collectives": hlo.summarize(colls),
+        "comm_mode": comm_mode(prog),
         "comm_bytes_per_device": int(sum(c.bytes * c.count for c in colls)),
         "comm_traffic_bytes_per_device": int(sum(c.traffic_bytes * c.count for c in colls)),
         "flops_per_device": float(cost.get("flops", 0.0)),
@@ -202,6 +212,12 @@ def format_report(r: dict) -> str:
         f"bound by {e['bottleneck']} (compute {e['compute_s'] * 1e3:.3f} ms, memory {e['memory_s'] * 1e3:.3f} ms, "
         f"communication {e['comm_s'] * 1e3:.3f} ms)",
     ]
+    if r.get("comm_mode"):
+        c = r["comm_mode"]
+        lines.append(f"train.grad_reduce_dtype={c['grad_reduce_dtype']}, train.sync={c['sync']}: per device per step "
+                     + ", ".join(f"{gib(b)} over {a}" for a, b in c["traffic_bytes_per_step"].items())
+                     + " (ring estimate of comm.py's own collectives, lowered program: bf16 stays bf16, local SGD's "
+                     "sync / sync_every; the table above shows the CPU-compiled program)")
     if r["pipeline"]:
         p = r["pipeline"]
         lines.append(f"pipeline: {p['schedule']}, {p['stages']} stages, {p['microbatches']} micro-batches, "

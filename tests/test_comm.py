@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardtrain import checkpoint, collectives, comm, loop, mesh as mesh_lib, optim, step
+from shardtrain import checkpoint, chips, collectives, comm, loop, mesh as mesh_lib, optim, plan, step
 from shardtrain.config import ConfigError
 
 SMALL = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.name=mlp", "model.d_model=32", "model.n_layers=2",
@@ -86,7 +86,8 @@ def test_bf16_moves_half_and_int8_a_quarter_of_fp32_over_data(cfg_factory, monke
 
 def test_local_sgd_syncs_only_every_h_steps(cfg_factory):
     prog = build(cfg_factory, "train.sync=local_sgd", "train.sync_every=4")
-    text = prog.lower().compile().as_text()
+    compiled = prog.lower().compile()
+    text = compiled.as_text()
     branches = collectives.conditional_branches(text)
     data_cols = [c for c in collectives.from_compiled(text, prog.mesh) if "data" in c.axes]
     inner = [c for c in data_cols if c.computation not in branches]
@@ -95,6 +96,9 @@ def test_local_sgd_syncs_only_every_h_steps(cfg_factory):
     assert len(outer) == 1 and outer[0].op == "all-reduce" and outer[0].axes == ("data",)
     assert outer[0].nbytes == param_bytes_per_device(prog)  # the mean parameter delta, once
     assert comm.bytes_per_step(prog) == {("data",): pytest.approx(param_bytes_per_device(prog) / 4)}
+    # `shardtrain plan` reports the same per-step bytes for the mode.
+    mode = plan.report(prog, compiled, chips.CHIPS["h100"])["comm_mode"]
+    assert mode["sync"] == "local_sgd" and mode["traffic_bytes_per_step"] == {"data": comm.bytes_per_step(prog)[("data",)]}
 
 
 def test_local_sgd_h1_outer_lr1_equals_synchronous_sgd(cfg_factory, monkeypatch):
