@@ -2,6 +2,7 @@
 
     python bench/checkpoint.py                 # GPT D=512, 8 layers: ~400 MB of train state
     python bench/checkpoint.py --d-model 256   # smaller and quicker
+    python bench/checkpoint.py --compare       # replica-parallel saving off vs on, in the same run
 
 Measures, all in one run so that the ratios share the machine's load:
   1. blocking fraction: the time `Checkpointer.save()` holds the training loop (async: until the
@@ -17,6 +18,7 @@ Measures, all in one run so that the ratios share the machine's load:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -48,6 +50,8 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--saves", type=int, default=4, help="saves measured after the first")
+    p.add_argument("--compare", action="store_true",
+                   help="measure saving with replica-parallel off (the single-process default) and on, interleaved")
     args = p.parse_args()
 
     root = tempfile.mkdtemp(prefix="bench_ckpt_")
@@ -60,7 +64,12 @@ def main() -> None:
     state = prog.init(0)
     state_mb = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6
     batch = loop.bare_loop_batches(prog, 1)[0]
-    ckpt = checkpoint.Checkpointer(prog)
+    variants = {"replica-parallel off": False, "replica-parallel on": True} if args.compare else {"default": None}
+    ckpts = {}
+    for name, replica_parallel in variants.items():  # one checkpoint directory per variant
+        run_dir = os.path.join(root, name.replace(" ", "_"))
+        ckpts[name] = checkpoint.Checkpointer(
+            dataclasses.replace(prog, cfg=dataclasses.replace(cfg, run_dir=run_dir)), replica_parallel)
 
     def train_step() -> float:
         nonlocal state
@@ -71,31 +80,37 @@ def main() -> None:
 
     for _ in range(3):
         train_step()
-    t0 = time.perf_counter()
-    ckpt.save(1, state)  # the first save (slower: creates directories, warms orbax/tensorstore)
-    ckpt.wait()
-    first_save = time.perf_counter() - t0
+    first_save = {}
+    for name, ckpt in ckpts.items():
+        t0 = time.perf_counter()
+        ckpt.save(1, state)  # the first save (slower: creates directories, warms orbax/tensorstore)
+        ckpt.wait()
+        first_save[name] = time.perf_counter() - t0
 
-    blocking, whole, in_flight, without = [], [], [], []
+    blocking, whole, in_flight = ({name: [] for name in ckpts} for _ in range(3))
+    without = []
     step = 1
-    for _ in range(args.saves):
-        step += 1
-        t0 = time.perf_counter()  # a whole save, nothing else running
-        ckpt.save(step, state)
-        ckpt.wait()
-        whole.append(time.perf_counter() - t0)
+    for r in range(args.saves):
+        order = list(ckpts.items())[::-1 if r % 2 else 1]  # variants interleaved, first in turn
+        for name, ckpt in order:
+            step += 1
+            t0 = time.perf_counter()  # a whole save, nothing else running
+            ckpt.save(step, state)
+            ckpt.wait()
+            whole[name].append(time.perf_counter() - t0)
 
-        step += 1
-        t0 = time.perf_counter()  # an async save with training steps running beside it
-        ckpt.save(step, state)
-        blocking.append(time.perf_counter() - t0)
-        n = 0
-        while ckpt.manager.is_saving_in_progress() or n == 0:
-            in_flight.append(train_step())
-            n += 1
-        ckpt.wait()
-        without += [train_step() for _ in range(max(n, 3))]
+            step += 1
+            t0 = time.perf_counter()  # an async save with training steps running beside it
+            ckpt.save(step, state)
+            blocking[name].append(time.perf_counter() - t0)
+            n = 0
+            while ckpt.manager.is_saving_in_progress() or n == 0:
+                in_flight[name].append(train_step())
+                n += 1
+            ckpt.wait()
+            without += [train_step() for _ in range(max(n, 3))]
 
+    ckpt = next(iter(ckpts.values()))
     latest = ckpt.latest_step()
     names = [m.name for m in jax.tree.leaves(ckpt.manager.item_metadata(latest)["state"].tree)]
     restore, direct = [], []
@@ -106,16 +121,20 @@ def main() -> None:
         restore.append(time.perf_counter() - t0)
         del restored
         direct.append(tensorstore_read(f"{ckpt.dir}/{latest}", names))
-    ckpt.close()
+    for c in ckpts.values():
+        c.close()
 
     med = statistics.median
     print(f"state: {state_mb:.0f} MB ({len(names)} arrays) on {jax.device_count()} devices, mesh {dict(prog.mesh.shape)}")
-    print(f"first save (blocking + commit): {first_save:.2f} s")
-    print(f"save() blocking: median {med(blocking):.3f} s over {len(blocking)} saves; whole save median "
-          f"{med(whole):.2f} s; blocking fraction {med(blocking) / med(whole):.3f} (goal <= 0.05)")
-    print(f"step time: median {med(in_flight):.3f} s with a save in flight ({len(in_flight)} steps), "
-          f"{med(without):.3f} s without ({len(without)} steps); ratio {med(in_flight) / med(without):.2f} (goal <= 1.10)")
-    print(f"restore: median {med(restore):.2f} s; tensorstore direct read {med(direct):.2f} s; "
+    for name in ckpts:
+        print(f"[{name}] first save (blocking + commit): {first_save[name]:.2f} s")
+        print(f"[{name}] save() blocking: median {med(blocking[name]):.3f} s over {len(blocking[name])} saves "
+              f"(min {min(blocking[name]):.3f}, max {max(blocking[name]):.3f}); whole save median "
+              f"{med(whole[name]):.2f} s; blocking fraction {med(blocking[name]) / med(whole[name]):.3f} (goal <= 0.05)")
+        print(f"[{name}] step time: median {med(in_flight[name]):.3f} s with a save in flight "
+              f"({len(in_flight[name])} steps), {med(without):.3f} s without ({len(without)} steps, all variants); "
+              f"ratio {med(in_flight[name]) / med(without):.2f} (goal <= 1.10)")
+    print(f"[{next(iter(ckpts))}] restore: median {med(restore):.2f} s; tensorstore direct read {med(direct):.2f} s; "
           f"ratio {med(restore) / med(direct):.2f}")
 
 
