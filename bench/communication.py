@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from shardtrain import collectives, comm, config, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
+from shardtrain import comm, config, hlo, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
 
 MODES = {
     "fp32": [],
@@ -43,7 +43,7 @@ MODES = {
 def traffic(cols, axis: str, every: int, branches: set[str]) -> float:
     """Ring-model bytes per device per step over collectives whose groups span `axis` (fsdp and
     tensor: and not data); those in a conditional branch (the local-SGD sync) run every H steps."""
-    return sum(c.traffic / (every if c.computation in branches else 1) for c in cols
+    return sum(c.traffic_bytes * c.count / (every if c.computation in branches else 1) for c in cols
                if axis in c.axes and (axis == "data" or "data" not in c.axes))
 
 
@@ -53,7 +53,7 @@ def measure(name: str, overrides: list[str], args) -> dict:
     prog = step_lib.build(cfg, mesh)
     compiled = prog.lower().compile()
     text = compiled.as_text()
-    cols, branches = collectives.from_compiled(text, mesh), collectives.conditional_branches(text)
+    cols, branches = hlo.collectives(text, dict(mesh.shape)), hlo.conditional_branches(text)
     every = cfg.train.sync_every if cfg.train.sync == "local_sgd" else 1
     compiled_data = traffic(cols, "data", every, branches)
     row = {"mode": name, "overrides": overrides,

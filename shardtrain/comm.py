@@ -303,9 +303,9 @@ def bytes_per_step(prog) -> dict[tuple[str, ...], float]:
     the *lowered* program, where the hand-written collectives keep their dtype (the CPU compiler
     shows bf16 ones as f32), with local SGD's outer sync amortised over sync_every steps. Metric
     scalars are not counted. {} for the default mode: read the compiled program instead."""
-    from shardtrain import collectives
+    from shardtrain import hlo
     if not enabled(prog.cfg):
         return {}
-    per_run = collectives.traffic_by_axes(collectives.from_lowered(prog.lower().as_text(), prog.mesh))
+    per_run = hlo.traffic_by_axes(hlo.lowered_collectives(prog.lower().as_text(), dict(prog.mesh.shape)))
     every = prog.cfg.train.sync_every if prog.cfg.train.sync == "local_sgd" else 1
     return {axes: b / every for axes, b in per_run.items()}

@@ -1,8 +1,16 @@
-"""Collectives of an optimized (SPMD-partitioned) HLO module, read from `compiled.as_text()`.
+"""Collectives read from a program's text, attributed to mesh axes, with the bytes they move.
 
-For each collective we find its kind, its size in bytes per device, how often it runs (collectives
-inside while loops are multiplied by XLA's known trip count) and the mesh axes its device groups
-span. Byte conventions, per device and per execution:
+Two programs can be read:
+- `collectives`: the optimized (SPMD-partitioned) HLO, `compiled.as_text()`: every collective,
+  including the ones GSPMD inserts, with per-device shapes; collectives inside while loops are
+  multiplied by XLA's known trip count, those inside a conditional's branches count once (see
+  `conditional_branches`). The CPU compiler upcasts bf16 collectives to f32 here.
+- `lowered_collectives`: the lowered StableHLO, `lowered.as_text()`: only the collectives written by
+  hand inside `jax.shard_map` (psum, all_gather, all_to_all ...), in the dtype they were written in;
+  shapes are per manual shard but global over the auto axes (so compare ratios, not absolute bytes).
+
+For each collective we find its kind, its size in bytes per device, how often it runs and the mesh
+axes its device groups span. Byte conventions, per device and per execution:
 
   bytes          the size of the (full, unsharded) array the collective works on: the reduced
                  array of an all-reduce, the gathered result of an all-gather, the input of a
@@ -27,12 +35,15 @@ import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+               # StableHLO spellings
+               "i1": 1, "i8": 1, "ui8": 1, "i16": 2, "ui16": 2, "i32": 4, "ui32": 4, "i64": 8, "ui64": 8}
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = ")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+) .*\{\s*$")
 _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
-_CALLEES = re.compile(r"\b(body|condition|to_apply|calls|branch_computations|called_computations)="
+_CALLEES = re.compile(r"\b(body|condition|to_apply|calls|branch_computations|called_computations|true_computation|"
+                      r"false_computation)="
                       r"(\{[^}]*\}|%[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
@@ -46,15 +57,21 @@ class Collective:
     """Executions per step (trip counts of enclosing loops included)."""
     group_size: int
     axes: tuple[str, ...]
+    dtypes: tuple[str, ...] = ()
+    """Element types as the program spells them (compiled: f32, s8 ...; lowered: f32, i8 ...)."""
+    computation: str = ""
+    """Enclosing computation (compiled HLO) or "" (lowered)."""
 
 
-def array_bytes(shape_str: str) -> list[float]:
-    """Bytes of each array in an HLO shape string (a tuple gives several)."""
-    out = []
-    for dtype, dims in _ARRAY.findall(shape_str):
-        if dtype in DTYPE_BYTES:
-            out.append(DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
-    return out
+def arrays(shape_str: str) -> list[tuple[str, float]]:
+    """(dtype, bytes) of each array in an HLO shape string (a tuple gives several)."""
+    return [(dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _ARRAY.findall(shape_str) if dtype in DTYPE_BYTES]
+
+
+def _ring(kind: str, n: int) -> float:
+    """Ring-model bytes each device moves per byte of the collective's array (see module doc)."""
+    return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
 
 
 def _split_shape(rest: str) -> tuple[str, str]:
@@ -215,23 +232,80 @@ def collectives(text: str, mesh_shape: dict[str, int]) -> list[Collective]:
             groups = device_groups(ins.line, n_devices)
             n = len(groups[0]) if groups else 1
             axes = group_axes(groups, mesh_shape)
-            sizes = array_bytes(ins.shape)
+            sizes = arrays(ins.shape)
             if ins.opcode == "all-gather-start":
                 sizes = sizes[len(sizes) // 2:]
             elif ins.opcode == "collective-permute-start":
                 sizes = sizes[:1]
-            parts = defaultdict(float)
+            elif kind == "reduce-scatter":
+                sizes = [(dtype, b * n) for dtype, b in sizes]  # the printed shape is the result
+            parts = defaultdict(list)
             if kind == "all-reduce":
                 sliced = _sliced_by_partition(comp, ins.name)
-                for i, b in enumerate(sizes):
+                for i, part in enumerate(sizes):
                     parts["reduce-scatter" if (i in sliced or (-1 in sliced and len(sizes) == 1))
-                          else "all-reduce"] += b
+                          else "all-reduce"].append(part)
             else:
-                parts[kind] = sum(sizes)
-            for k, b in parts.items():
-                ring = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(k, (n - 1) / n)
-                out.append(Collective(k, b, b * ring, mult[cname], n, axes))
+                parts[kind] = sizes
+            for k, part in parts.items():
+                b = sum(size for _, size in part)
+                out.append(Collective(k, b, b * _ring(k, n), mult[cname], n, axes,
+                                      tuple(dict.fromkeys(dtype for dtype, _ in part)), cname))
     return out
+
+
+def conditional_branches(text: str) -> set[str]:
+    """Computations that run only inside a branch of a compiled HLO `conditional` (e.g. local SGD's
+    sync every H steps), including what those branches call."""
+    comps = parse_module(text)
+    comps.pop("__entry__", None)
+    inside: set[str] = set()
+    for name in reversed(list(comps)):  # callers are printed after their callees
+        for ins in comps[name]:
+            if ins.opcode == "conditional" or name in inside:
+                for key, value in _CALLEES.findall(ins.line):
+                    if name in inside or key in ("branch_computations", "true_computation", "false_computation"):
+                        inside.update(re.findall(r"%([\w.\-]+)", value))
+    return inside
+
+
+_STABLEHLO_OP = re.compile(r'"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)"')
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]\w*)>")
+
+
+def lowered_collectives(text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+    """Collectives written inside shard_map, from the lowered StableHLO (`lowered.as_text()`); each
+    counts once."""
+    out = []
+    for m in _STABLEHLO_OP.finditer(text):
+        kind = m.group(1).replace("_", "-")
+        tail = text[m.end():]  # the op's attributes, its reduction region if any, its type signature
+        sig = re.search(r"\)\s*->\s*(\(.*?\)|tensor<[^>]*>)", tail)
+        attrs = tail[:sig.start()]
+        types = sig.group(1) if kind in ("all-reduce", "all-gather") else attrs.rsplit(": (", 1)[1]
+        sizes = [(dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split("x") if d))
+                 for dims, dtype in _TENSOR.findall(types)]
+        if kind == "collective-permute":
+            pairs = re.search(r"source_target_pairs = dense<(.*?)>", attrs).group(1)
+            groups = [[int(a), int(b)] for a, b in re.findall(r"\[(\d+), (\d+)\]", pairs)]
+        else:
+            spec = re.search(r"replica_groups = dense<(.*?)>", attrs).group(1)
+            groups = [[int(x) for x in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", spec)] or \
+                [[int(x) for x in re.findall(r"\d+", spec)]]
+        n = len(groups[0])
+        b = sum(size for _, size in sizes)
+        out.append(Collective(kind, b, b * _ring(kind, n), 1, n, group_axes(groups, mesh_shape),
+                              tuple(dict.fromkeys(dtype for dtype, _ in sizes))))
+    return out
+
+
+def traffic_by_axes(items: list[Collective]) -> dict[tuple[str, ...], float]:
+    """Ring-model bytes per device per step, summed by the mesh axes each collective's groups span."""
+    total: dict[tuple[str, ...], float] = defaultdict(float)
+    for c in items:
+        if c.axes:
+            total[c.axes] += c.traffic_bytes * c.count
+    return dict(total)
 
 
 def summarize(items: list[Collective]) -> dict[str, dict]:

@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardtrain import checkpoint, chips, collectives, comm, loop, mesh as mesh_lib, optim, plan, step
+from shardtrain import checkpoint, chips, comm, hlo, loop, mesh as mesh_lib, optim, plan, step
 from shardtrain.config import ConfigError
 
 SMALL = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.name=mlp", "model.d_model=32", "model.n_layers=2",
@@ -40,7 +40,7 @@ def param_bytes_per_device(prog) -> int:
 
 def data_traffic(cols, dtype=None, min_bytes=64):
     """Ring-model bytes per device over collectives spanning only the data axis."""
-    return sum(c.traffic for c in cols if c.axes == ("data",) and c.nbytes >= min_bytes
+    return sum(c.traffic_bytes * c.count for c in cols if c.axes == ("data",) and c.bytes >= min_bytes
                and (dtype is None or dtype in c.dtypes))
 
 
@@ -60,10 +60,10 @@ def test_manual_float32_reduction_matches_gspmd(cfg_factory, monkeypatch):
 
 def test_bf16_moves_half_and_int8_a_quarter_of_fp32_over_data(cfg_factory, monkeypatch):
     default = build(cfg_factory)
-    gspmd_compiled = data_traffic(collectives.from_compiled(default.lower().compile().as_text(), default.mesh))
+    gspmd_compiled = data_traffic(hlo.collectives(default.lower().compile().as_text(), dict(default.mesh.shape)))
     monkeypatch.setattr(comm, "enabled", lambda cfg: True)
     lowered = {d: build(cfg_factory, f"train.grad_reduce_dtype={d}").lower() for d in ("float32", "bfloat16", "int8")}
-    cols = {d: collectives.from_lowered(lo.as_text(), default.mesh) for d, lo in lowered.items()}
+    cols = {d: hlo.lowered_collectives(lo.as_text(), dict(default.mesh.shape)) for d, lo in lowered.items()}
     f32 = data_traffic(cols["float32"])
     # Lowered program (hand-written collectives in their own dtype, per-device shapes):
     # fp32 = one all-reduce of every gradient shard; bf16 the same in half the bytes.
@@ -77,7 +77,7 @@ def test_bf16_moves_half_and_int8_a_quarter_of_fp32_over_data(cfg_factory, monke
     # Compiled program: the CPU compiler keeps s8 collectives, so int8 is a quarter of what
     # GSPMD's default fp32 step moves over the data axis (which also reduces a few tensors over
     # data x fsdp at once: counted here only where the group is the data axis alone).
-    int8_compiled = collectives.from_compiled(lowered["int8"].compile().as_text(), default.mesh)
+    int8_compiled = hlo.collectives(lowered["int8"].compile().as_text(), dict(default.mesh.shape))
     assert data_traffic(int8_compiled, "s8", 0) == f32 / 4
     assert data_traffic(int8_compiled, "s8", 0) <= 0.26 * gspmd_compiled
     assert comm.bytes_per_step(build(cfg_factory, "train.grad_reduce_dtype=int8")) == {
@@ -88,13 +88,13 @@ def test_local_sgd_syncs_only_every_h_steps(cfg_factory):
     prog = build(cfg_factory, "train.sync=local_sgd", "train.sync_every=4")
     compiled = prog.lower().compile()
     text = compiled.as_text()
-    branches = collectives.conditional_branches(text)
-    data_cols = [c for c in collectives.from_compiled(text, prog.mesh) if "data" in c.axes]
+    branches = hlo.conditional_branches(text)
+    data_cols = [c for c in hlo.collectives(text, dict(prog.mesh.shape)) if "data" in c.axes]
     inner = [c for c in data_cols if c.computation not in branches]
     outer = [c for c in data_cols if c.computation in branches]
-    assert branches and sum(c.nbytes for c in inner) <= 8  # two metric scalars (loss, grad norm)
-    assert len(outer) == 1 and outer[0].op == "all-reduce" and outer[0].axes == ("data",)
-    assert outer[0].nbytes == param_bytes_per_device(prog)  # the mean parameter delta, once
+    assert branches and sum(c.bytes * c.count for c in inner) <= 8  # two metric scalars (loss, grad norm)
+    assert len(outer) == 1 and outer[0].kind == "all-reduce" and outer[0].axes == ("data",) and outer[0].count == 1
+    assert outer[0].bytes == param_bytes_per_device(prog)  # the mean parameter delta, once
     assert comm.bytes_per_step(prog) == {("data",): pytest.approx(param_bytes_per_device(prog) / 4)}
     # `shardtrain plan` reports the same per-step bytes for the mode.
     mode = plan.report(prog, compiled, chips.CHIPS["h100"])["comm_mode"]
