@@ -27,15 +27,14 @@ BASE = ["meshes/demo.yaml", "model.name=mlp", "model.d_model=32", "model.n_layer
         f"optimizer.decay_steps={STEPS}", "checkpoint.every_steps=2"]
 
 
-def start(run_dir, *overrides) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sizes the devices from the mesh
-    env["JAX_PLATFORMS"] = "cpu"
+def start(run_dir, *overrides, devices=8) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     return subprocess.Popen([sys.executable, "-m", "shardtrain.cli", "train", *BASE, f"run_dir={run_dir}", *overrides],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def train(run_dir, *overrides) -> str:
-    p = start(run_dir, *overrides)
+def train(run_dir, *overrides, devices=8) -> str:
+    p = start(run_dir, *overrides, devices=devices)
     out = p.communicate(timeout=600)[0]
     assert p.returncode == 0, out[-3000:]
     return out
@@ -112,7 +111,7 @@ def test_elastic_resume_onto_another_mesh_and_fewer_devices(straight, tmp_path):
     out = train(tmp_path, "train.steps=20", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1")
     assert "resuming from checkpoint step 10 (written on mesh data=2,fsdp=2,tensor=2 (8 devices" in out
     assert "data position 80 samples" in out
-    out = train(tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1")  # 4 devices
+    out = train(tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1", devices=4)
     assert "on 4 cpu devices" in out and "resuming from checkpoint step 20 (written on mesh fsdp=8 (8 devices" in out
     assert "data position 160 samples" in out
 
