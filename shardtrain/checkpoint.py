@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 import yaml
 from etils import epath
 
-from shardtrain import config as config_lib
+from shardtrain import config as config_lib, sharding
 from shardtrain.step import Program
 
 UNUSABLE_DIR = "unusable"
@@ -57,14 +57,8 @@ def directory(cfg: config_lib.RunConfig) -> str:
     return path
 
 
-def path_key(path) -> str:
-    """'params/blocks/w_in_df' for a pytree key path (dict keys, sequence indices, attributes)."""
-    parts = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
-    return "/".join(str(p) for p in parts)
-
-
 def leaf_shapes(tree) -> dict[str, tuple]:
-    return {path_key(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    return {sharding.path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def mismatches(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:

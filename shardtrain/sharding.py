@@ -61,7 +61,8 @@ def logical_names(abstract_state: nnx.State) -> dict:
 
 
 def path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """'params/blocks/w_in_df' for a pytree key path (dict keys, sequence indices, attributes)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def param_specs(abstract_params: dict, names: dict, rules: RulesConfig, mesh: Mesh) -> dict:
