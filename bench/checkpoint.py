@@ -3,6 +3,7 @@
     python bench/checkpoint.py                 # GPT D=512, 8 layers: ~400 MB of train state
     python bench/checkpoint.py --d-model 256   # smaller and quicker
     python bench/checkpoint.py --compare       # replica-parallel saving off vs on, in the same run
+    python bench/checkpoint.py --niceness 0    # writer threads at the train step's CPU priority
 
 Measures, all in one run so that the ratios share the machine's load:
   1. blocking fraction: the time `Checkpointer.save()` holds the training loop (async: until the
@@ -50,6 +51,7 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--saves", type=int, default=4, help="saves measured after the first")
+    p.add_argument("--niceness", type=int, default=19, help="checkpoint.writer_niceness (0: writer at the step's priority)")
     p.add_argument("--compare", action="store_true",
                    help="measure saving with replica-parallel off (the single-process default) and on, interleaved")
     args = p.parse_args()
@@ -58,7 +60,8 @@ def main() -> None:
     cfg = config.load("meshes/demo.yaml", [
         f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.d_ff={4 * args.d_model}",
         "model.n_heads=8", "model.n_kv_heads=8", "data.source=synthetic", "data.seq_len=16",
-        "train.global_batch_size=8", "checkpoint.max_to_keep=2", f"run_dir={root}"])
+        "train.global_batch_size=8", "checkpoint.max_to_keep=2", f"checkpoint.writer_niceness={args.niceness}",
+        f"run_dir={root}"])
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     compiled = prog.lower().compile()
     state = prog.init(0)
@@ -106,6 +109,7 @@ def main() -> None:
             n = 0
             while ckpt.manager.is_saving_in_progress() or n == 0:
                 in_flight[name].append(train_step())
+                ckpt.check()  # as the trainer does after each step
                 n += 1
             ckpt.wait()
             without += [train_step() for _ in range(max(n, 3))]
@@ -133,7 +137,9 @@ def main() -> None:
               f"{med(whole[name]):.2f} s; blocking fraction {med(blocking[name]) / med(whole[name]):.3f} (goal <= 0.05)")
         print(f"[{name}] step time: median {med(in_flight[name]):.3f} s with a save in flight "
               f"({len(in_flight[name])} steps), {med(without):.3f} s without ({len(without)} steps, all variants); "
-              f"ratio {med(in_flight[name]) / med(without):.2f} (goal <= 1.10)")
+              f"ratio {med(in_flight[name]) / med(without):.2f} (goal <= 1.10); per save, "
+              f"{len(in_flight[name]) / args.saves:.1f} steps in flight, training time lost "
+              f"{(sum(in_flight[name]) - len(in_flight[name]) * med(without)) / args.saves:.2f} s")
     print(f"[{next(iter(ckpts))}] restore: median {med(restore):.2f} s; tensorstore direct read {med(direct):.2f} s; "
           f"ratio {med(restore) / med(direct):.2f}")
 

@@ -20,6 +20,10 @@ collide with a new save of step N). If no committed step reads back, nothing is 
 stops with the reasons (the storage may only be unreachable) instead of silently starting over.
 A failed async save raises `SaveFailed` at the next step boundary; orbax then skips the
 garbage collection of older steps, so good checkpoints survive a failed save.
+
+Speed: tensorstore's worker threads, which compress and write the chunks of an async save, run
+at a lower CPU priority (`checkpoint.writer_niceness`), so a save uses the CPU time the train
+step leaves idle rather than slowing the step (see `lower_writer_priority`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from pathlib import Path
 import time
 
 import jax
@@ -100,6 +105,25 @@ def state_handler(replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
     registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays), *others)
     return ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, restore_concurrent_gb=96,
                                        type_handler_registry=registry)
+
+
+WRITER_THREAD = "ts_pool_worker"  # the name tensorstore gives its worker threads
+
+
+def lower_writer_priority(niceness: int) -> None:
+    """Sets tensorstore's worker threads to `niceness`. At equal priority an async save of a
+    406 MB state slowed the steps running beside it by 38% on 8 simulated CPU devices (2 cores);
+    at niceness 19 by 4-5%, the save taking ~10 steps instead of ~2 (bench/README.md). Per-thread
+    niceness is Linux's; elsewhere this does nothing."""
+    tasks = Path("/proc/self/task")
+    if niceness <= 0 or not tasks.is_dir():
+        return
+    for task in tasks.iterdir():
+        try:
+            if (task / "comm").read_text().strip() == WRITER_THREAD and os.getpriority(os.PRIO_PROCESS, int(task.name)) < niceness:
+                os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+        except OSError:  # the thread has ended
+            pass
 
 
 class Checkpointer:
@@ -204,10 +228,13 @@ class Checkpointer:
         self.saving_step = step
         self._raising(lambda: self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)), force=True))
+        lower_writer_priority(self.cfg.checkpoint.writer_niceness)
 
     def check(self) -> None:
         """Raises SaveFailed if a finished async save failed; never blocks on one in flight."""
-        if not self.manager.is_saving_in_progress():
+        if self.manager.is_saving_in_progress():
+            lower_writer_priority(self.cfg.checkpoint.writer_niceness)  # tensorstore starts threads as it goes
+        else:
             self._raising(self.manager.wait_until_finished)
 
     def wait(self) -> None:

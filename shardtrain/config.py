@@ -157,11 +157,16 @@ class TrainConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = 100
+    """Save every this many steps (asynchronously); the run's last step is always saved."""
     max_to_keep: int = 3
+    """Keep the newest this many checkpoints (plus those keep_period names)."""
     keep_period: Optional[int] = None
     """Also keep every step that is a multiple of this."""
     directory: Optional[str] = None
     """Default: run_dir/checkpoints. A local path or gs:// URL."""
+    writer_niceness: int = 19
+    """CPU niceness (0-19, Linux) of the threads that write an async save, so that it runs on CPU
+    time the training leaves idle instead of slowing the steps; 0: the training's own priority."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +313,9 @@ def validate(cfg: RunConfig) -> None:
                         ("train.sync_every", t.sync_every), ("train.pipeline_repeats", t.pipeline_repeats)]:
         if value < 1:
             raise ConfigError(f"{name}: must be >= 1, got {value}")
+    if not 0 <= cfg.checkpoint.writer_niceness <= 19:
+        raise ConfigError(f"checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), "
+                          f"got {cfg.checkpoint.writer_niceness}")
     if t.global_batch_size % t.grad_accum_steps:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.grad_accum_steps={t.grad_accum_steps}")

@@ -145,6 +145,22 @@ def test_failed_async_save_stops_the_training_loop(cfg_factory, monkeypatch):
     assert max(logged) <= 4  # stopped at the next step boundary or save, not at the end
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread niceness is Linux's")
+def test_async_save_writes_at_low_cpu_priority(cfg_factory):
+    prog = program(cfg_factory, "checkpoint.writer_niceness=19")
+    ckpt = checkpoint.Checkpointer(prog)
+    state = prog.init(0)
+    for step in (1, 2):  # threads tensorstore starts late in one save are lowered in the next
+        ckpt.save(step, state)
+        while ckpt.manager.is_saving_in_progress():
+            ckpt.check()
+        ckpt.wait()
+    ckpt.close()
+    writers = [t.name for t in Path("/proc/self/task").iterdir()
+               if (t / "comm").read_text().strip() == checkpoint.WRITER_THREAD]
+    assert writers and {os.getpriority(os.PRIO_PROCESS, int(t)) for t in writers} == {19}
+
+
 def test_retention_every_steps_keep_period_and_final_checkpoint(cfg_factory):
     cfg = cfg_factory(*TINY, "train.steps=10", "checkpoint.every_steps=3", "checkpoint.max_to_keep=2",
                       "checkpoint.keep_period=6")
