@@ -87,7 +87,10 @@ def main() -> None:
         rows.append({"mesh": m["label"], "estimate_s": e["step_time_s"], "measured_s": min(m["times"]),
                      "median_s": sorted(m["times"])[len(m["times"]) // 2], "baseline_s": base,
                      "bottleneck": e["bottleneck"], "compute_s": e["compute_s"], "memory_s": e["memory_s"],
-                     "comm_s": e["comm_s"]})
+                     "comm_s": e["comm_s"], "flops_per_device": m["report"]["flops_per_device"],
+                     "bytes_per_device": m["report"]["bytes_accessed_per_device"],
+                     "collectives": sum(c["count"] for c in m["report"]["collectives"].values()),
+                     "comm_traffic_bytes_per_device": m["report"]["comm_traffic_bytes_per_device"]})
     est = [r["estimate_s"] for r in rows]
     rho_abs = spearmanr(est, [r["measured_s"] for r in rows]).statistic
     rho_rel = spearmanr(est, [r["median_s"] for r in rows]).statistic

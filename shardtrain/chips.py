@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 GB = 1e9
 GiB = 2 ** 30
-CPU_FLOPS, CPU_BANDWIDTH = 57.8e9, 1.19 * GB
+CPU_FLOPS, CPU_BANDWIDTH = 184.6e9, 5.43 * GB
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ CHIPS = {c.name: c for c in [
     Chip("a100", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB, ("A100",)),
     Chip("h100", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB, ("H100",)),
     Chip("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB, ("H200",)),
-    # Whole machine, measured by calibrate_cpu() on 2026-12-02 while other jobs shared the cores
-    # (it read 17-58 GFLOP/s and 0.5-1.2 GB/s as the load changed); "ICI" is a copy in memory.
+    # Whole machine, measured by calibrate_cpu() on an idle machine (2026-12-03; with other jobs
+    # sharing the cores it read 17-58 GFLOP/s and 0.5-1.2 GB/s); "ICI" is a copy in memory.
     Chip("cpu", CPU_FLOPS, 8 * GiB, CPU_BANDWIDTH, CPU_BANDWIDTH, CPU_BANDWIDTH, (), host_shared=True),
 ]}
 

@@ -7,7 +7,8 @@ dimension divides), batch, and optimizer (the rest of the arguments: optimizer s
 and any other state); temp is XLA's temporary buffer size; total = arguments + temp + outputs that
 do not reuse a donated input. Collectives are parsed from the optimized HLO (`shardtrain/hlo.py`,
 which documents the byte conventions). FLOPs and bytes accessed per device come from
-`compiled.cost_analysis()`.
+`compiled.cost_analysis()`, which counts a while loop's body once, plus the loops' remaining
+iterations (`hlo.loop_repeats_cost`: a pipeline schedule, gradient accumulation, a rolled scan).
 
 Roofline estimate per step: compute = FLOPs per device / peak FLOP/s, memory = bytes accessed /
 HBM bandwidth, communication = ring traffic of every collective / the bandwidth of its axes (DCN
@@ -119,7 +120,11 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     total_b = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    colls = hlo.collectives(compiled.as_text(), dict(mesh.shape))
+    text = compiled.as_text()
+    loop_flops, loop_bytes = hlo.loop_repeats_cost(text)
+    flops_dev = float(cost.get("flops", 0.0)) + loop_flops
+    bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
+    colls = hlo.collectives(text, dict(mesh.shape))
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     flops_token = model_flops_per_token(cfg, n_params)
     dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1}
@@ -139,13 +144,13 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "comm_mode": comm_mode(prog),
         "comm_bytes_per_device": int(sum(c.bytes * c.count for c in colls)),
         "comm_traffic_bytes_per_device": int(sum(c.traffic_bytes * c.count for c in colls)),
-        "flops_per_device": float(cost.get("flops", 0.0)),
-        "flops_per_step": float(cost.get("flops", 0.0)) * n,
-        "bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)),
+        "flops_per_device": flops_dev,
+        "flops_per_step": flops_dev * n,
+        "bytes_accessed_per_device": bytes_dev,
+        "loop_repeats_per_device": {"flops": loop_flops, "bytes": loop_bytes},
         "model_flops_per_token": flops_token,
         "model_flops_per_step": flops_token * tokens,
-        "estimate": estimate(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), colls,
-                             chip_dev, dcn_axes, flops_token * tokens, n),
+        "estimate": estimate(flops_dev, bytes_dev, colls, chip_dev, dcn_axes, flops_token * tokens, n),
         "pipeline": None if stages <= 1 else {
             "schedule": cfg.train.pipeline_schedule, "stages": int(stages),
             "microbatches": cfg.train.microbatches or 2 * int(stages), "repeats": cfg.train.pipeline_repeats,

@@ -106,6 +106,34 @@ def test_plan_json_equals_the_compiled_train_step(cfg_factory, capsys):
     assert r["fits"] and r["margin_bytes"] == 80e9 - m["total"]
 
 
+def test_loop_iterations_that_cost_analysis_skips_are_added():
+    def rolled(w, x):
+        return jax.lax.fori_loop(0, 10, lambda i, x: jax.numpy.tanh(x @ w), x)
+
+    def unrolled(w, x):
+        for _ in range(10):
+            x = jax.numpy.tanh(x @ w)
+        return x
+
+    args = (jax.numpy.ones((256, 256)), jax.numpy.ones((64, 256)))
+    (rolled_c, unrolled_c) = (jax.jit(f).lower(*args).compile() for f in (rolled, unrolled))
+    cost = {f: c.cost_analysis() for f, c in (("rolled", rolled_c), ("unrolled", unrolled_c))}
+    cost = {f: c[0] if isinstance(c, (list, tuple)) else c for f, c in cost.items()}
+    flops, nbytes = hlo.loop_repeats_cost(rolled_c.as_text())
+    assert cost["rolled"]["flops"] < cost["unrolled"]["flops"] / 5  # the body counted once
+    assert cost["rolled"]["flops"] + flops == pytest.approx(cost["unrolled"]["flops"], rel=1e-3)
+    assert cost["rolled"]["bytes accessed"] + nbytes == pytest.approx(cost["unrolled"]["bytes accessed"], rel=0.05)
+    assert hlo.loop_repeats_cost(unrolled_c.as_text()) == (0.0, 0.0)
+
+
+def test_gradient_accumulation_plans_the_flops_of_every_micro_batch():
+    one, four = (plan.plan_one(small_cfg("gpt", MESHES["combined"], "train.global_batch_size=32",
+                                         f"train.grad_accum_steps={k}"), jax.devices(),
+                               chips.CHIPS["v5e"]) for k in (1, 4))
+    assert four["loop_repeats_per_device"]["flops"] > 0
+    assert four["flops_per_device"] == pytest.approx(one["flops_per_device"], rel=0.03)
+
+
 def test_bubble_fraction_of_the_schedules():
     cfg = config.load(None, ["train.microbatches=8"])
     assert plan.bubble_fraction(cfg, 1) is None
