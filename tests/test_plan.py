@@ -96,7 +96,10 @@ def test_plan_json_equals_the_compiled_train_step(cfg_factory, capsys):
     m = r["memory_per_device_bytes"]
     assert m["params"] + m["optimizer"] + m["batch"] == mem.argument_size_in_bytes
     assert m["temp"] == mem.temp_size_in_bytes
-    assert r["flops_per_device"] == cost["flops"] and r["flops_per_step"] == 8 * cost["flops"]
+    loop_flops, loop_bytes = hlo.loop_repeats_cost(compiled.as_text())
+    assert r["loop_repeats_per_device"] == {"flops": loop_flops, "bytes": loop_bytes}
+    assert r["flops_per_device"] == cost["flops"] + loop_flops and r["flops_per_step"] == 8 * r["flops_per_device"]
+    assert r["bytes_accessed_per_device"] == cost["bytes accessed"] + loop_bytes
     assert r["collectives"] == hlo.summarize(hlo.collectives(compiled.as_text(), dict(r["mesh"])))
     assert r["devices"] == 8 and r["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}
     e = r["estimate"]
