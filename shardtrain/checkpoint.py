@@ -31,8 +31,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from pathlib import Path
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -112,8 +112,8 @@ WRITER_THREAD = "ts_pool_worker"  # the name tensorstore gives its worker thread
 
 def lower_writer_priority(niceness: int) -> None:
     """Sets tensorstore's worker threads to `niceness`. At equal priority an async save of a
-    406 MB state slowed the steps running beside it by 38% on 8 simulated CPU devices (2 cores);
-    at niceness 19 by 4-5%, the save taking ~10 steps instead of ~2 (bench/README.md). Per-thread
+    406 MB state slowed the steps running beside it by 20-26% on 8 simulated CPU devices (2 cores);
+    at niceness 19 by 6-7%, the save taking 6-8 steps instead of 2 (bench/README.md). Per-thread
     niceness is Linux's; elsewhere this does nothing."""
     tasks = Path("/proc/self/task")
     if niceness <= 0 or not tasks.is_dir():

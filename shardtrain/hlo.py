@@ -46,6 +46,7 @@ _CALLEES = re.compile(r"\b(body|condition|to_apply|calls|branch_computations|cal
                       r"false_computation)="
                       r"(\{[^}]*\}|%[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_FUSION_CALLEE = re.compile(r"calls=%([\w.\-]+)")
 
 
 @dataclasses.dataclass
@@ -212,7 +213,7 @@ def _own_cost(comp: list[Instr], comps: dict[str, list[Instr]], fused: bool) -> 
         if fused or ins.opcode in _NO_MEMORY:
             continue
         if ins.opcode == "fusion":
-            nbytes += _fusion_bytes(ins, shapes, comps[re.search(r"calls=%([\w.\-]+)", ins.line).group(1)])
+            nbytes += _fusion_bytes(ins, shapes, comps[_FUSION_CALLEE.search(ins.line).group(1)])
         elif ins.opcode in _SLICES:
             nbytes += 2 * _size(ins.shape)
         elif ins.opcode == "dynamic-update-slice":
@@ -231,8 +232,8 @@ def loop_repeats_cost(text: str) -> tuple[float, float]:
     accumulation)."""
     comps = parse_module(text)
     with_trips, once = multipliers(comps), multipliers(comps, trips=False)
-    fused = {callee for comp in comps.values() for ins in comp if ins.opcode == "fusion"
-             for callee in re.findall(r"calls=%([\w.\-]+)", ins.line)}
+    fused = {_FUSION_CALLEE.search(ins.line).group(1) for comp in comps.values() for ins in comp
+             if ins.opcode == "fusion"}
     flops = nbytes = 0.0
     for name, comp in comps.items():
         extra = with_trips[name] - once[name] if name != "__entry__" else 0
