@@ -5,6 +5,7 @@ Models name logical axes only; `constrain(x, names)` is handed in by the trainer
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 
@@ -36,14 +37,19 @@ def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
     return make(rngs)
 
 
-def scan_blocks(blocks, x, wrap=lambda body: body):
-    """Runs stacked blocks in order with lax.scan; `wrap` decorates the per-layer body (remat)."""
+def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None):
+    """Runs stacked blocks in order with lax.scan; `wrap` decorates the per-layer body (remat).
+
+    A block returns `x` or `(x, aux)`, `aux` a dict of scalar auxiliary losses (an MoE router's);
+    then this returns `(x, aux)` with each loss summed over the layers, for the trainer to add."""
     graphdef, state = nnx.split(blocks)
 
     @wrap
     def body(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x), None
-    return jax.lax.scan(body, x, state, unroll=True)[0]
+        out = nnx.merge(graphdef, layer_state)(x, segment_ids_bt=segment_ids, positions_bt=positions)
+        return out if isinstance(out, tuple) else (out, {})
+    x, aux = jax.lax.scan(body, x, state, unroll=True)
+    return (x, jax.tree.map(lambda a: a.sum(0), aux)) if aux else x
 
 
 def dense(x, w, n_in=1):
@@ -59,6 +65,44 @@ def embed_lookup(table_vd, tokens_bt):
     return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd)
 
 
-def no_constraint(x, names):
-    return x
+class Whole:
+    """The per-shard view of unsharded arrays: every logical axis whole, collectives are identities
+    (the trainer's `Constrain.per_shard` hands in the real one, `shardtrain.sharding.Shard`)."""
+
+    def size(self, name):
+        return 1
+
+    def index(self, name):
+        return 0
+
+    def psum(self, x, name):
+        return x
+
+    def all_gather(self, x, name, axis):
+        return x
+
+    def all_to_all(self, x, name, axis=0):
+        return x
+
+    def ring_shift(self, x, name):
+        return x
+
+    def like(self, x, *refs):
+        return x
+
+
+class NoConstraint:
+    """The `constrain` a model gets when nobody shards it: no constraints, one shard."""
+
+    def __call__(self, x, names):
+        return x
+
+    def size(self, name):
+        return 1
+
+    def per_shard(self, fn, in_names, out_names):
+        return functools.partial(fn, Whole())
+
+
+no_constraint = NoConstraint()
 

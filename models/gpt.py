@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import dense, embed_lookup, no_constraint, param, scan_blocks, stacked
+from models.moe import Moe
+from models.ring_attention import ring_attend
 
 normal = nnx.initializers.normal
 ones = nnx.initializers.ones
@@ -21,14 +23,29 @@ def rms_norm(x, scale, eps=1e-6):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * scale
 
 
-def rotary(x_bthe, theta: float):
-    """Rotary position embedding over the last (head) dimension."""
+def rotary(x_bthe, theta: float, positions_bt=None):
+    """Rotary position embedding over the last (head) dimension; positions default to 0..T-1."""
     t, e = x_bthe.shape[1], x_bthe.shape[-1]
     freq_f = theta ** (-jnp.arange(0, e, 2, dtype=jnp.float32) / e)
-    angle_tf = jnp.arange(t, dtype=jnp.float32)[:, None] * freq_f[None, :]
-    sin, cos = jnp.sin(angle_tf)[None, :, None, :], jnp.cos(angle_tf)[None, :, None, :]
+    pos_bt = jnp.arange(t)[None] if positions_bt is None else positions_bt
+    angle_btf = pos_bt.astype(jnp.float32)[:, :, None] * freq_f[None, None, :]
+    sin, cos = jnp.sin(angle_btf)[:, :, None, :], jnp.cos(angle_btf)[:, :, None, :]
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
+
+
+def attention(q_bthe, k_btke, v_btke, segment_ids_bt, positions_bt, constrain):
+    """Causal attention; ring attention when the trainer splits `seq` over devices."""
+    if constrain.size("seq") > 1:
+        return ring_attend(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, constrain=constrain)
+    if positions_bt is not None or segment_ids_bt is not None:  # any order of positions, packed documents
+        t = q_bthe.shape[1]
+        pos_bt = jnp.broadcast_to(jnp.arange(t) if positions_bt is None else positions_bt, q_bthe.shape[:2])
+        mask_btt = pos_bt[:, :, None] >= pos_bt[:, None, :]
+        if segment_ids_bt is not None:
+            mask_btt &= segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask_btt[:, None])
+    return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True)
 
 
 class Block(nnx.Module):
@@ -41,19 +58,26 @@ class Block(nnx.Module):
         self.wv_dke = param(rngs, normal(d ** -0.5), (d, k, e), ("embed", "kv_heads", None))
         self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), ("heads", None, "embed"))
         self.mlp_norm = param(rngs, ones, (d,), (None,))
+        if cfg.n_experts > 1:
+            self.moe = Moe(cfg, rngs=rngs, constrain=constrain)
+            return
         self.w_gate_df = param(rngs, normal(d ** -0.5), (d, f), ("embed", "mlp"))
         self.w_up_df = param(rngs, normal(d ** -0.5), (d, f), ("embed", "mlp"))
         self.w_down_fd = param(rngs, normal(f ** -0.5 / 2), (f, d), ("mlp", "embed"))
 
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
+        """x_btd -> x_btd, or (x_btd, aux losses) for an MoE block."""
         c = self.constrain
         h_btd = rms_norm(x_btd, self.attn_norm[...])
-        q_bthe = c(rotary(dense(h_btd, self.wq_dhe[...]), self.theta), ("batch", "seq", "heads", None))
-        k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta), ("batch", "seq", "kv_heads", None))
+        q_bthe = c(rotary(dense(h_btd, self.wq_dhe[...]), self.theta, positions_bt), ("batch", "seq", "heads", None))
+        k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta, positions_bt), ("batch", "seq", "kv_heads", None))
         v_btke = c(dense(h_btd, self.wv_dke[...]), ("batch", "seq", "kv_heads", None))
-        o_bthe = jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True)
+        o_bthe = attention(q_bthe, k_btke, v_btke, segment_ids_bt, positions_bt, c)
         x_btd = c(x_btd + dense(o_bthe, self.wo_hed[...], n_in=2), ("batch", "seq", None))
         h_btd = rms_norm(x_btd, self.mlp_norm[...])
+        if hasattr(self, "moe"):
+            out_btd, aux = self.moe(h_btd)
+            return c(x_btd + out_btd, ("batch", "seq", None)), aux
         gate_btf = c(dense(h_btd, self.w_gate_df[...]), ("batch", "seq", "mlp"))
         up_btf = c(dense(h_btd, self.w_up_df[...]), ("batch", "seq", "mlp"))
         out_btd = dense(jax.nn.silu(gate_btf) * up_btf, self.w_down_fd[...])
@@ -76,5 +100,7 @@ class Gpt(nnx.Module):
         logits_btv = dense(rms_norm(x_btd, self.final_norm[...]), self.unembed_dv[...])
         return self.constrain(logits_btv, ("batch", "seq", "vocab"))
 
-    def __call__(self, tokens_bt):
-        return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))
+    def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):
+        """Logits, or (logits, aux losses) for an MoE model."""
+        out = scan_blocks(self.blocks, self.embed(tokens_bt), segment_ids=segment_ids_bt, positions=positions_bt)
+        return (self.head(out[0]), out[1]) if isinstance(out, tuple) else self.head(out)

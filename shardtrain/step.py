@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from shardtrain import comm, optim, sharding
-from shardtrain.config import RunConfig
+from shardtrain.config import ConfigError, RunConfig
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -77,7 +77,22 @@ def scan_runner(cfg: RunConfig) -> Callable:
     """Runs the stacked blocks with lax.scan, each layer rematerialised by the configured policy."""
     policy = REMAT_POLICIES.get(cfg.train.remat)
     wrap = (lambda f: jax.checkpoint(f, policy=policy)) if policy else (lambda f: f)
-    return lambda blocks, x: models.scan_blocks(blocks, x, wrap=wrap)
+    return lambda blocks, x, positions=None: models.scan_blocks(blocks, x, wrap=wrap, positions=positions)
+
+
+def context_order(cfg: RunConfig, mesh: Mesh):
+    """Under context parallelism (`seq` split n ways, n > 1), the causal load-balanced order of the
+    sequence's positions (chunks i and 2n-1-i of 2n on device i; models/ring_attention.py); else None.
+    The step feeds inputs and targets in this order with their positions: the mean loss is the
+    same in any order, so nothing is un-permuted."""
+    n = sharding.Constrain(cfg.rules, mesh).size("seq")
+    if n == 1:
+        return None
+    from models.ring_attention import load_balanced_order
+    if cfg.data.seq_len % (2 * n):
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be a multiple of 2 x the {n} ways rules.seq "
+                          f"splits it (mesh.context): context parallelism gives each device two chunks")
+    return jnp.asarray(load_balanced_order(cfg.data.seq_len, n))
 
 
 def cross_entropy(logits_btv, targets_bt):
@@ -86,6 +101,10 @@ def cross_entropy(logits_btv, targets_bt):
 
 def build(cfg: RunConfig, mesh: Mesh) -> Program:
     run_blocks = scan_runner(cfg)
+    order_t = context_order(cfg, mesh)
+    if mesh.shape["pipeline"] > 1 and (cfg.model.n_experts > 1 or order_t is not None):
+        raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.n_experts > 1) or mesh.context > 1 "
+                          "yet; use mesh.pipeline=1")
     if mesh.shape["pipeline"] > 1:
         from shardtrain import pipeline
         run_blocks = pipeline.runner(cfg, mesh)  # first: its errors name layers, stages, repeats
@@ -122,33 +141,47 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
         graphdef = nnx.split(abstract_model(cfg, constrain))[0]
 
         def loss_fn(params, tokens_bt):
+            """(objective, losses): cross-entropy `loss` plus whatever auxiliary losses the model
+            reports (an MoE router's), each logged as a metric and added to the objective."""
             model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-            x_btd = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
-            return cross_entropy(model.head(x_btd), tokens_bt[:, 1:])
+            inputs_bt, targets_bt, positions = tokens_bt[:, :-1], tokens_bt[:, 1:], None
+            if order_t is not None:  # context parallelism: the load-balanced order (context_order)
+                inputs_bt, targets_bt, positions = inputs_bt[:, order_t], targets_bt[:, order_t], order_t[None]
+                inputs_bt, targets_bt = constrain(inputs_bt, ("batch", "seq")), constrain(targets_bt, ("batch", "seq"))
+            out = run_blocks(model.blocks, model.embed(inputs_bt), **({"positions": positions} if positions is not None else {}))
+            x_btd, aux = out if isinstance(out, tuple) else (out, {})
+            losses = {"loss": cross_entropy(model.head(x_btd), targets_bt), **aux}
+            return sum(losses.values()), losses
 
         def loss_and_grads(params, tokens_bt):
-            """Mean loss and gradients over train.grad_accum_steps micro-batches (= the full batch's)."""
+            """Mean losses (a dict, `loss` the cross-entropy) and gradients over
+            train.grad_accum_steps micro-batches (= the full batch's)."""
             accum = cfg.train.grad_accum_steps
+            grad_fn = jax.grad(loss_fn, has_aux=True)
             if accum == 1:
-                return jax.value_and_grad(loss_fn)(params, tokens_bt)
+                grads, losses = grad_fn(params, tokens_bt)
+                return losses, grads
             micro_abt = tokens_bt.reshape(accum, -1, tokens_bt.shape[-1])  # (A, B/A, T+1)
 
             def body(carry, micro_bt):
-                loss, grads = jax.value_and_grad(loss_fn)(params, constrain(micro_bt, ("batch", None)))
-                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+                grads, losses = grad_fn(params, constrain(micro_bt, ("batch", None)))
+                return jax.tree.map(jnp.add, carry, (losses, grads)), None
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            abstract_losses = jax.eval_shape(loss_fn, params, micro_abt[0])[1]
+            zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_losses),
+                     jax.tree.map(jnp.zeros_like, params))
             total = jax.lax.scan(body, zeros, micro_abt)[0]
             return jax.tree.map(lambda x: x / accum, total)
         return loss_and_grads
 
     lr = optim.schedule(cfg)
 
-    def update(state, loss, grads):
-        """Applies reduced gradients: params, opt and step advance; other state entries pass through."""
+    def update(state, losses, grads):
+        """Applies reduced gradients: params, opt and step advance; other state entries pass through.
+        `losses`: the dict loss_and_grads returns (`loss` and any auxiliary losses), all logged."""
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
+        metrics = {**losses, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
         return {**state, "params": params, "opt": opt, "step": state["step"] + 1}, metrics
 
     loss_and_grads = make_loss_and_grads(constrain)
