@@ -50,10 +50,12 @@ def swiglu(x_nd, w_gate_df, w_up_df, w_down_fd):
     return dense(jax.nn.silu(dense(x_nd, w_gate_df)) * dense(x_nd, w_up_df), w_down_fd)
 
 
-def route(logits_nte, k: int):
-    """(top-k expert ids, their renormalised weights, router probabilities)."""
-    probs = jax.nn.softmax(logits_nte.astype(jnp.float32), axis=-1)
-    top_p, top_i = jax.lax.top_k(probs, k)
+def route(logits_bte, k: int, constrain):
+    """(top-k expert ids, their renormalised weights, router probabilities). The top-k runs per
+    shard: XLA's partitioner would gather the probabilities of the whole batch for it."""
+    probs = jax.nn.softmax(logits_bte.astype(jnp.float32), axis=-1)
+    bte = ("batch", "seq", None)
+    top_p, top_i = constrain.per_shard(lambda shard, p: tuple(jax.lax.top_k(p, k)), (bte,), (bte, bte))(probs)
     return top_i, top_p / top_p.sum(-1, keepdims=True), probs
 
 
@@ -139,7 +141,7 @@ class Moe(nnx.Module):
     def __call__(self, h_btd):
         c, cfg = self.constrain, self.cfg
         logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32))
-        top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.experts_per_token)
+        top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.experts_per_token, c)
         aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
         local = c.per_shard(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg),

@@ -47,6 +47,9 @@ class Program:
     """jitted seed -> state, created already sharded."""
     step: Callable
     """jitted (state, batch) -> (state, metrics), state donated."""
+    loss_and_grads: Callable = None
+    """jitted (params, batch) -> (losses, gradients) of the step, before any cross-replica
+    reduction mode or update (tests compare meshes with it)."""
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
         t = self.cfg.train
@@ -201,4 +204,6 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
         init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=state_shardings),
         step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated), donate_argnums=0),
+        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(param_shardings, batch_sharding),
+                               out_shardings=(replicated, param_shardings)),
     )
