@@ -15,9 +15,12 @@ from shardtrain.config import RunConfig
 
 
 def model_flops_per_token(cfg: RunConfig, n_params: int) -> float:
-    """6N for the matmuls (forward + backward) plus attention scores and values, 12 L T D."""
+    """6N for the matmuls (forward + backward) plus attention scores and values, 12 L T D. For a
+    mixture of experts N counts the active parameters: each token's k experts, not all of them."""
     m = cfg.model
     attention = 12 * m.n_layers * cfg.data.seq_len * m.d_model if m.name == "gpt" else 0
+    if m.name == "gpt" and m.n_experts > 1:
+        n_params -= m.n_layers * (m.n_experts - m.experts_per_token) * 3 * m.d_model * m.d_ff
     return 6 * n_params + attention
 
 
