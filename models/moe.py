@@ -50,6 +50,11 @@ def swiglu(x_nd, w_gate_df, w_up_df, w_down_fd):
     return dense(jax.nn.silu(dense(x_nd, w_gate_df)) * dense(x_nd, w_up_df), w_down_fd)
 
 
+def grouped(x_rd, w_edf, group_e):
+    """Rows x_rd (sorted by group, group_e rows each, padding after) times their group's w_edf."""
+    return jax.lax.ragged_dot(x_rd, w_edf, group_e)
+
+
 def route(logits_bte, k: int, constrain):
     """(top-k expert ids, their renormalised weights, router probabilities). The top-k runs per
     shard: XLA's partitioner would gather the probabilities of the whole batch for it."""
@@ -110,9 +115,9 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
     order_r = jnp.argsort(local_r, stable=True)
     group_l = jnp.zeros((el + 1,), jnp.int32).at[local_r].add(1)[:el]
     x_rd = recv_psd.reshape(p * rows, d)[order_r]
-    gate_rf = jax.lax.ragged_dot(x_rd, w_gate_edf, group_l)
-    up_rf = jax.lax.ragged_dot(x_rd, w_up_edf, group_l)
-    y_rd = jax.lax.ragged_dot(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l)
+    gate_rf = grouped(x_rd, w_gate_edf, group_l)
+    up_rf = grouped(x_rd, w_up_edf, group_l)
+    y_rd = grouped(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l)
     y_rd = jnp.where((jnp.arange(p * rows) < group_l.sum())[:, None], y_rd, 0)
     y_psd = y_rd[jnp.argsort(order_r)].reshape(p, rows, d)
     back_psd = shard.all_to_all(y_psd, "experts")

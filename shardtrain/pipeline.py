@@ -86,7 +86,8 @@ def bubble_fraction(cfg: RunConfig, mesh: Mesh) -> float:
 
 
 def runner(cfg: RunConfig, mesh: Mesh):
-    """`run_blocks(blocks, x_btd) -> x_btd`: the stacked blocks as a pipeline over `pipeline`."""
+    """`run_blocks(blocks, x_btd, positions=None) -> x_btd`: the stacked blocks as a pipeline over
+    `pipeline` (positions: always None, step.build refuses context parallelism with pipelines)."""
     from shardtrain.step import scan_runner  # step imports this module lazily
     stages, v, m_count = check(cfg, mesh)
     group = cfg.model.n_layers // (stages * v)
@@ -94,7 +95,7 @@ def runner(cfg: RunConfig, mesh: Mesh):
     ring = [(i, (i + 1) % stages) for i in range(stages)]
     batch_axes = sharding.spec_for(("batch",), cfg.rules, mesh)[0]
 
-    def run(blocks, x_btd):
+    def run(blocks, x_btd, positions=None):
         graphdef, state = nnx.split(blocks)
         # (L, ...) -> (P, v, Lg, ...): stage p holds groups r P + p (a no-op regrouping when v = 1)
         staged = jax.tree.map(lambda w: w.reshape(v, stages, group, *w.shape[1:]).swapaxes(0, 1), state)

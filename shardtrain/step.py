@@ -151,7 +151,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
             if order_t is not None:  # context parallelism: the load-balanced order (context_order)
                 inputs_bt, targets_bt, positions = inputs_bt[:, order_t], targets_bt[:, order_t], order_t[None]
                 inputs_bt, targets_bt = constrain(inputs_bt, ("batch", "seq")), constrain(targets_bt, ("batch", "seq"))
-            out = run_blocks(model.blocks, model.embed(inputs_bt), **({"positions": positions} if positions is not None else {}))
+            out = run_blocks(model.blocks, model.embed(inputs_bt), positions)
             x_btd, aux = out if isinstance(out, tuple) else (out, {})
             losses = {"loss": cross_entropy(model.head(x_btd), targets_bt), **aux}
             return sum(losses.values()), losses
