@@ -10,6 +10,7 @@ import importlib
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
@@ -52,17 +53,21 @@ def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=N
     return (x, jax.tree.map(lambda a: a.sum(0), aux)) if aux else x
 
 
-def dense(x, w, n_in=1):
+def dense(x, w, n_in=1, flat=True):
     """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul
-    (XLA's CPU backend runs (N, K) @ (K, M) much faster than a batched einsum, backward too)."""
+    (XLA's CPU backend runs (N, K) @ (K, M) much faster than a batched einsum, backward too).
+    `flat=False` keeps x's leading dims (a tensordot): when both batch and sequence are split
+    over devices (context parallelism) XLA cannot merge them without gathering the sequence."""
+    if not flat:
+        return jnp.tensordot(x, w, axes=n_in)
     lead, k = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in])
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
 
 
-def embed_lookup(table_vd, tokens_bt):
+def embed_lookup(table_vd, tokens_bt, flat=True):
     """Token embeddings as a one-hot matmul: it shards cleanly over vocab and embed, where a
     gather from a vocab-sharded table makes XLA replicate the table."""
-    return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd)
+    return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd, flat=flat)
 
 
 class Whole:

@@ -6,11 +6,13 @@ Parameters and activations carry logical axis names only; the trainer maps them 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import dense, embed_lookup, no_constraint, param, scan_blocks, stacked
+from models import dense as dense_2d, embed_lookup, no_constraint, param, scan_blocks, stacked
 from models.moe import Moe
 from models.ring_attention import ring_attend
 
@@ -68,6 +70,7 @@ class Block(nnx.Module):
     def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
         """x_btd -> x_btd, or (x_btd, aux losses) for an MoE block."""
         c = self.constrain
+        dense = functools.partial(dense_2d, flat=c.size("seq") == 1)
         h_btd = rms_norm(x_btd, self.attn_norm[...])
         q_bthe = c(rotary(dense(h_btd, self.wq_dhe[...]), self.theta, positions_bt), ("batch", "seq", "heads", None))
         k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta, positions_bt), ("batch", "seq", "kv_heads", None))
@@ -93,11 +96,12 @@ class Gpt(nnx.Module):
         self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt)
+        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt, flat=self.constrain.size("seq") == 1)
         return self.constrain(x_btd, ("batch", "seq", None))
 
     def head(self, x_btd):
-        logits_btv = dense(rms_norm(x_btd, self.final_norm[...]), self.unembed_dv[...])
+        logits_btv = dense_2d(rms_norm(x_btd, self.final_norm[...]), self.unembed_dv[...],
+                              flat=self.constrain.size("seq") == 1)
         return self.constrain(logits_btv, ("batch", "seq", "vocab"))
 
     def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):

@@ -46,8 +46,10 @@ W_IN = ("experts", "embed", "mlp")
 W_OUT = ("experts", "mlp", "embed")
 
 
-def swiglu(x_nd, w_gate_df, w_up_df, w_down_fd):
-    return dense(jax.nn.silu(dense(x_nd, w_gate_df)) * dense(x_nd, w_up_df), w_down_fd)
+def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True):
+    def mm(x, w):
+        return dense(x, w, flat=flat)
+    return mm(jax.nn.silu(mm(x_btd, w_gate_df)) * mm(x_btd, w_up_df), w_down_fd)
 
 
 def grouped(x_rd, w_edf, group_e):
@@ -145,7 +147,8 @@ class Moe(nnx.Module):
 
     def __call__(self, h_btd):
         c, cfg = self.constrain, self.cfg
-        logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32))
+        flat = c.size("seq") == 1
+        logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32), flat=flat)
         top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.experts_per_token, c)
         aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
@@ -153,5 +156,5 @@ class Moe(nnx.Module):
                             (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))
         out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
         if cfg.n_shared_experts:
-            out_btd = out_btd + swiglu(h_btd, self.shared_gate_df[...], self.shared_up_df[...], self.shared_down_fd[...])
+            out_btd = out_btd + swiglu(h_btd, self.shared_gate_df[...], self.shared_up_df[...], self.shared_down_fd[...], flat)
         return c(out_btd, ("batch", "seq", None)), aux

@@ -61,7 +61,7 @@ def test_context_parallel_4k_tokens_losses_and_gradients_equal_one_devices():
 
 
 def test_context_parallel_step_passes_key_value_blocks_around_a_ring_and_never_gathers_them():
-    prog = program("data.seq_len=256", "train.global_batch_size=4", "mesh.data=2", "mesh.fsdp=2", "mesh.context=2")
+    prog = program("data.seq_len=256", "train.global_batch_size=8", "mesh.data=2", "mesh.fsdp=2", "mesh.context=2")
     colls = hlo.collectives(plan.compile_fast(prog.lower(), "cpu").as_text(), dict(prog.mesh.shape))
     assert any(c.kind.startswith("collective-permute") and c.axes == ("context",) for c in colls), colls
     assert not [c for c in colls if c.kind.startswith("all-gather") and "context" in c.axes]

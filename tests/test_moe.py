@@ -79,6 +79,7 @@ def assert_same_losses_and_grads(reference, other, batch):
     return losses_a
 
 
+@pytest.mark.slow
 def test_expert_parallel_losses_and_gradients_equal_one_devices():
     batch = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
     one = program(devices=jax.devices()[:1])
