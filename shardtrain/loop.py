@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from shardtrain import checkpoint, config as config_lib, data, mesh as mesh_lib, step as step_lib
 from shardtrain.metrics import Metrics
@@ -85,7 +84,6 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     if start > 0:
         metrics.event("resume", step=start)
     rows = prog.local_rows()
-    global_shape = prog.abstract_batch().shape
     profile = cfg.train.profile_steps
     pending = None  # (step, metrics arrays) of the step in flight: read after the next dispatch
     last_done = time.perf_counter()
@@ -102,7 +100,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     for i, local_batch in data.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps):
         if profile and i == profile[0]:
             jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
-        batch = jax.make_array_from_process_local_data(prog.batch_sharding, local_batch, global_shape)
+        batch = prog.device_batch(local_batch)
         state, step_metrics = compiled(state, batch)
         finish_pending()
         pending = (i + 1, step_metrics)
@@ -134,5 +132,4 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
 def bare_loop_batches(prog: step_lib.Program, steps: int) -> list[jax.Array]:
     """The first `steps` global batches as device arrays (for benchmarks that bypass the loop)."""
     it = data.batches(data.samples(prog.cfg), prog.cfg.train.global_batch_size, prog.local_rows(), 0, steps)
-    shape = prog.abstract_batch().shape
-    return [jax.make_array_from_process_local_data(prog.batch_sharding, np.asarray(b), shape) for _, b in it]
+    return [prog.device_batch(b) for _, b in it]
