@@ -55,6 +55,14 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    cfg = config_lib.load(args.config, args.overrides)
+    simulated_devices(DEFAULT_CPU_DEVICES)
+    from shardtrain import evaluate
+    distributed.initialize()
+    return evaluate.main(cfg, args.checkpoint)
+
+
 def cmd_ckpt(args) -> int:
     from shardtrain import checkpoint
     return checkpoint.list_main(args.run_dir)
@@ -94,6 +102,11 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--eos", default=None, help="EOS token when the tokenizer has none of <eos> </s> <|endoftext|>")
     pr.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU, at most one per file)")
     pr.set_defaults(func=cmd_prepare)
+    ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out split")
+    ev.add_argument("config", help="the run's YAML config")
+    ev.add_argument("checkpoint", help="a run dir, its checkpoints/ dir (newest step) or one step's dir")
+    ev.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. train.eval_steps=20")
+    ev.set_defaults(func=cmd_eval)
     c = sub.add_parser("ckpt", help="list a run's checkpoints")
     c.add_argument("run_dir")
     c.set_defaults(func=cmd_ckpt)

@@ -107,7 +107,12 @@ def samples(cfg: RunConfig) -> grain.MapDataset:
 
 
 def eval_samples(cfg: RunConfig) -> grain.MapDataset:
-    """The held-out windows in order (repeated if a pass needs more than the split holds)."""
+    """The held-out windows in order (repeated if a pass needs more than the split holds); a
+    mixture's eval splits interleaved by the same weights."""
+    if cfg.data.mixture:
+        from shardtrain import tokens_source
+        parts = [grain.MapDataset.source(tokens_source.windows(cfg, "eval", e.path)).repeat() for e in cfg.data.mixture]
+        return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture])
     return grain.MapDataset.source(source(cfg, "eval")).repeat()
 
 

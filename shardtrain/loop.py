@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jax
 
-from shardtrain import checkpoint, config as config_lib, data, mesh as mesh_lib, step as step_lib
+from shardtrain import checkpoint, config as config_lib, data, evaluate, mesh as mesh_lib, step as step_lib
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
@@ -54,6 +54,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
+    evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
     is_main = jax.process_index() == 0
     if is_main:
@@ -61,6 +62,9 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
         (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
         print(f"shardtrain: {cfg.model.name} {n_params / 1e6:.2f}M params on {jax.device_count()} "
               f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; compiling...", flush=True)
+        if data.packed(cfg):
+            from shardtrain import tokens_source
+            print(tokens_source.describe(cfg), flush=True)
 
     preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
     t0 = time.perf_counter()
@@ -116,6 +120,10 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
             metrics.message(f"preempted at step {done}; rerun the same command to resume")
             exit_code = EXIT_PREEMPTED
             break
+        if evaluator and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+            finish_pending()
+            metrics.log_eval(done, evaluator(state["params"]))
+            last_done = time.perf_counter()  # evaluation is not a step's time
         if done % cfg.checkpoint.every_steps == 0 or done == cfg.train.steps:
             finish_pending()
             ckpt.save(done, state)

@@ -130,6 +130,10 @@ class _SplitWriter:
         self.sha.update(data)
         self.offsets.append(self.offsets[-1] + len(ids))
 
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
     def close(self) -> dict:
         self.file.close()
         os.replace(self.tmp, self.path)
@@ -153,13 +157,18 @@ def prepare_file(task: tuple[int, str, Options, dict]) -> dict:
             writers[split].add(np.concatenate([ids, eos]))
 
     index = chars = 0
-    for text in documents(path, opts.text_field):
-        pending.append(text)
-        chars += len(text)
-        if chars >= ENCODE_CHARS:
-            flush(index)
-            index, chars, pending = index + len(pending), 0, []
-    flush(index)
+    try:
+        for text in documents(path, opts.text_field):
+            pending.append(text)
+            chars += len(text)
+            if chars >= ENCODE_CHARS:
+                flush(index)
+                index, chars, pending = index + len(pending), 0, []
+        flush(index)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
     marker = {"key": key, **{s: w.close() for s, w in writers.items()}}
     part = out / "parts" / f"{k:05d}.json"
     part.with_suffix(".tmp").write_text(json.dumps(marker))
@@ -195,7 +204,8 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
     t0 = time.perf_counter()
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
     total_bytes = sum(os.path.getsize(t[1]) for t in todo)
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not todo) as bar:
+    # delay: a mistake found at once prints its one error line without a bar
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not todo, delay=1.0) as bar:
         if workers == 1:
             for task in todo:
                 markers[task[0]] = prepare_file(task)

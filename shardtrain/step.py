@@ -72,10 +72,14 @@ class Program:
 
     def local_rows(self) -> slice:
         """Rows of the global batch held by this process's devices (a contiguous block)."""
-        index_map = self.batch_sharding.addressable_devices_indices_map(self.batch_shape())
-        starts = [idx[0].start or 0 for idx in index_map.values()]
-        stops = [idx[0].stop or self.cfg.train.global_batch_size for idx in index_map.values()]
-        return slice(min(starts), max(stops))
+        return self.rows_for(self.batch_sharding.addressable_devices)
+
+    def rows_for(self, devices) -> slice:
+        """Rows of the global batch held by `devices` (one process's: a contiguous block)."""
+        index_map = self.batch_sharding.devices_indices_map(self.batch_shape())
+        rows = [index_map[d][0] for d in devices]
+        return slice(min(r.start or 0 for r in rows),
+                     max(self.cfg.train.global_batch_size if r.stop is None else r.stop for r in rows))
 
 
 PACKED_FIELDS = ("tokens", "segment_ids", "positions")

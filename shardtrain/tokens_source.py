@@ -46,6 +46,10 @@ class RangeFile:
             return np.frombuffer(data, dtype=self.dtype)
         return int(self[index:index + 1][0])
 
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
     def __getstate__(self):  # reopened by whoever unpickles it
         return {k: v for k, v in self.__dict__.items() if k != "fd"}
 
