@@ -156,16 +156,17 @@ def test_packed_loss_equals_the_documents_run_one_by_one(cfg_factory):
                       "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
                       "model.d_ff=64", "train.global_batch_size=8", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-    state = prog.init(0)
+    params = nnx.to_pure_dict(nnx.split(models.get("gpt")(cfg.model, rngs=nnx.Rngs(0)))[1])
     rng = np.random.default_rng(1)
     lengths = [[7, 10, 7], [24], [3, 5, 16], [12, 12], [1, 2, 21], [20, 4], [8, 8, 8], [5, 19]]
     docs = [[rng.integers(0, 64, n) for n in row] for row in lengths]
     batch = {"tokens": np.stack([np.concatenate(r) for r in docs]).astype(np.int32),
              "segment_ids": np.stack([np.repeat(np.arange(len(r)), [len(d) for d in r]) for r in docs]).astype(np.int32),
              "positions": np.stack([np.concatenate([np.arange(len(d)) for d in r]) for r in docs]).astype(np.int32)}
-    total, count = jax.jit(prog.loss_sums)(state["params"], prog.device_batch(batch))
+    total, count = jax.jit(prog.loss_sums)(
+        jax.device_put(params, prog.state_shardings["params"]), prog.device_batch(batch))
 
-    model = nnx.merge(nnx.split(step.abstract_model(cfg))[0], jax.device_get(state["params"]))  # unsharded
+    model = nnx.merge(nnx.split(step.abstract_model(cfg))[0], params)  # unsharded
     # each document alone in its own row, right-padded (causal: padding never reaches earlier positions)
     alone = [d for r in docs for d in r if len(d) > 1]
     rows_nt = np.zeros((len(alone), 24), np.int32)
