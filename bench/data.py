@@ -30,7 +30,8 @@ V5P_PEAK = 459e12  # bf16 FLOP/s per chip (shardtrain/chips.py)
 
 
 def corpus(directory: Path, copies: int) -> tuple[Path, list[str]]:
-    texts = [Path(f).read_text(errors="replace") for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))]
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    texts = [Path(f).read_text(errors="replace") for f in files]
     path = directory / "docs.jsonl"
     with open(path, "w") as f:
         for _ in range(copies):

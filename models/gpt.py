@@ -53,7 +53,8 @@ class Block(nnx.Module):
         k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta, positions_bt), ("batch", "seq", "kv_heads", None))
         v_btke = c(dense(h_btd, self.wv_dke[...]), ("batch", "seq", "kv_heads", None))
         # causal, and with segment ids only within a document: (B, 1, T, T) broadcast over heads
-        same_b1tt = None if segment_ids_bt is None else (segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :])
+        seg_bt = segment_ids_bt
+        same_b1tt = None if seg_bt is None else seg_bt[:, None, :, None] == seg_bt[:, None, None, :]
         o_bthe = jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=same_b1tt, is_causal=True)
         x_btd = c(x_btd + dense(o_bthe, self.wo_hed[...], n_in=2), ("batch", "seq", None))
         h_btd = rms_norm(x_btd, self.mlp_norm[...])

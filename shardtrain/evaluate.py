@@ -26,14 +26,15 @@ class Evaluator:
         self.prog, cfg = prog, prog.cfg
         self.dataset = data.eval_samples(cfg)  # a missing eval split fails before anything is compiled
         replicated = NamedSharding(prog.mesh, P())
-        self.loss_sums = jax.jit(prog.loss_sums, in_shardings=(prog.state_shardings["params"], prog.batch_sharding),
-                                 out_shardings=(replicated, replicated))
+        self.loss_sums = jax.jit(prog.loss_sums, out_shardings=(replicated, replicated),
+                                 in_shardings=(prog.state_shardings["params"], prog.batch_sharding))
 
     def __call__(self, params) -> dict[str, float]:
         cfg = self.prog.cfg
         total = count = 0.0
-        sums = [self.loss_sums(params, self.prog.device_batch(batch)) for _, batch in
-                data.batches(self.dataset, cfg.train.global_batch_size, self.prog.local_rows(), 0, cfg.train.eval_steps)]
+        batches = data.batches(self.dataset, cfg.train.global_batch_size, self.prog.local_rows(), 0,
+                               cfg.train.eval_steps)
+        sums = [self.loss_sums(params, self.prog.device_batch(batch)) for _, batch in batches]
         for loss_sum, n in sums:
             total, count = total + float(loss_sum), count + float(n)
         loss = total / max(count, 1.0)
@@ -46,7 +47,8 @@ def checkpoint_location(path: str) -> tuple[str, int | None]:
     if path.startswith("gs://"):
         return path.rstrip("/"), None
     if not p.exists():
-        raise ConfigError(f"checkpoint '{path}' does not exist; give a run dir, its checkpoints/ dir or a step dir in it")
+        raise ConfigError(f"checkpoint '{path}' does not exist; give a run dir, its checkpoints/ dir "
+                          "or a step dir in it")
     if (p / "checkpoints").is_dir():
         return str(p / "checkpoints"), None
     if p.name.isdigit() and ((p / "meta").exists() or (p / "state").exists()):

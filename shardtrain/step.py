@@ -21,8 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from shardtrain import comm, data, optim, sharding
-from shardtrain.config import ConfigError
-from shardtrain.config import RunConfig
+from shardtrain.config import ConfigError, RunConfig
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

@@ -38,7 +38,8 @@ class HfTokenizer:
         try:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises plain Exceptions for bad JSON
-            raise ConfigError(f"--tokenizer {path}: not a tokenizers JSON file ({str(e).splitlines()[0][:120]})") from None
+            first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise ConfigError(f"--tokenizer {path}: not a tokenizers JSON file ({first})") from None
         self.name = str(path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos_id(eos)

@@ -54,17 +54,17 @@ def prepared(tok_path, corpus, tmp_path_factory):
 
 
 def cfg_for(cfg_factory, ds, *extra):
-    return cfg_factory("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.source=tokens", f"data.path={ds}", "model.vocab_size=320", "data.seq_len=15",
+    return cfg_factory("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.source=tokens", f"data.path={ds}",
+                       "model.vocab_size=320", "data.seq_len=15",
                        "train.global_batch_size=8", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2",
                        "model.n_layers=2", "model.d_ff=64", *extra)
 
 
 def split_docs(ds: Path, split: str) -> list[list[int]]:
+    """The split's documents as the stream reads them (cut where the document id changes)."""
     s = tokens_source.TokenSplit(str(ds), split)
-    tokens = s.read(0, len(s), 1 << 20)[0]
-    bounds = np.concatenate([[0], np.cumsum([s.shards[k].offsets[len(s.shards[k].offsets) - 1] for k in range(len(s.shards))])])
-    offsets = sorted({int(b + o) for k, b in enumerate(bounds[:-1]) for o in s.shards[k].offsets[0:len(s.shards[k].offsets)]})
-    return [tokens[a:b].tolist() for a, b in zip(offsets, offsets[1:])]
+    tokens, doc_ids, _ = s.read(0, len(s), 1 << 20)
+    return [t.tolist() for t in np.split(tokens, np.flatnonzero(np.diff(doc_ids)) + 1)]
 
 
 def test_prepare_round_trip_gives_each_documents_tokens_and_eos(prepared, tok_path):
@@ -134,7 +134,8 @@ def test_resume_mid_epoch_continues_the_same_batches(prepared, tok_path, corpus,
     if mixture:
         other = tmp_path / "other"
         prepare.prepare([str(corpus / "c*.txt")], prepare.Options(str(tok_path), str(other)), say=lambda _: None)
-        extra = ("data.path=null", f"data.mixture=[{{path: {prepared}, weight: 0.7}}, {{path: {other}, weight: 0.3}}]")
+        extra = ("data.path=null",
+                 f"data.mixture=[{{path: {prepared}, weight: 0.7}}, {{path: {other}, weight: 0.3}}]")
     cfg = cfg_for(cfg_factory, prepared, *extra)
     epoch = len(tokens_source.windows(cfg, "train", str(prepared))) // 8 + 1
     steps = 2 * epoch + 1  # past an epoch's end: reshuffled windows
@@ -160,9 +161,10 @@ def test_packed_loss_equals_the_documents_run_one_by_one(cfg_factory):
     rng = np.random.default_rng(1)
     lengths = [[7, 10, 7], [24], [3, 5, 16], [12, 12], [1, 2, 21], [20, 4], [8, 8, 8], [5, 19]]
     docs = [[rng.integers(0, 64, n) for n in row] for row in lengths]
-    batch = {"tokens": np.stack([np.concatenate(r) for r in docs]).astype(np.int32),
-             "segment_ids": np.stack([np.repeat(np.arange(len(r)), [len(d) for d in r]) for r in docs]).astype(np.int32),
-             "positions": np.stack([np.concatenate([np.arange(len(d)) for d in r]) for r in docs]).astype(np.int32)}
+    batch = {"tokens": [np.concatenate(r) for r in docs],
+             "segment_ids": [np.repeat(np.arange(len(r)), [len(d) for d in r]) for r in docs],
+             "positions": [np.concatenate([np.arange(len(d)) for d in r]) for r in docs]}
+    batch = {k: np.stack(v).astype(np.int32) for k, v in batch.items()}
     total, count = jax.jit(prog.loss_sums)(
         jax.device_put(params, prog.state_shardings["params"]), prog.device_batch(batch))
 
