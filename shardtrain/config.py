@@ -330,7 +330,8 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(
         cfg, run_dir=absolute(cfg.run_dir or str(Path("runs") / cfg.name)),
         checkpoint=dataclasses.replace(cfg.checkpoint, directory=absolute(cfg.checkpoint.directory)),
-        data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path)))
+        data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), mixture=tuple(
+            dataclasses.replace(e, path=absolute(e.path)) for e in cfg.data.mixture)))
 
 
 def validate(cfg: RunConfig) -> None:

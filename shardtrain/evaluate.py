@@ -17,6 +17,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardtrain import data
+from shardtrain import config as config_lib
 from shardtrain.config import ConfigError, RunConfig
 from shardtrain.step import Program
 
@@ -60,6 +61,7 @@ def main(cfg: RunConfig, checkpoint_path: str) -> int:
     """`shardtrain eval CONFIG CHECKPOINT`: prints one JSON line {step, eval_loss, eval_perplexity}."""
     from shardtrain import checkpoint, mesh as mesh_lib, step as step_lib
     directory, step = checkpoint_location(checkpoint_path)
+    directory = config_lib.absolute(directory)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, directory=directory))
     data.eval_samples(cfg)  # data errors before compiling
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
