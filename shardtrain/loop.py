@@ -99,16 +99,19 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
             metrics.log(pending[0], values, now - last_done)
             last_done, pending = now, None
 
+    tracing = False  # steps profile[0]..profile[1] (1-based) run inside a jax.profiler trace
     for i, local_batch in data.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps):
-        if profile and i == profile[0]:
+        if profile and not tracing and profile[0] <= i + 1 <= profile[1]:
             jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
+            tracing = True
         batch = jax.make_array_from_process_local_data(prog.batch_sharding, local_batch, global_shape)
         state, step_metrics = compiled(state, batch)
         finish_pending()
         pending = (i + 1, step_metrics)
-        if profile and i == profile[1]:
+        if tracing and i + 1 == profile[1]:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
+            tracing = False
         done = i + 1
         if preemption.reached(done):
             finish_pending()
@@ -124,6 +127,8 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
             last_done = time.perf_counter()  # the save's blocking part is not a step's time
         ckpt.check()  # a failed async save raises checkpoint.SaveFailed at the next step boundary
     finish_pending()
+    if tracing:  # preempted inside the traced steps
+        jax.profiler.stop_trace()
     ckpt.wait()
     ckpt.close()
     metrics.close()
