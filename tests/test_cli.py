@@ -100,3 +100,18 @@ def test_profile_range_partly_behind_a_resumed_run_traces_the_rest(tmp_path):
     assert loop.train(config.load("meshes/demo.yaml", [*tiny, "train.steps=2"])) == 0
     assert loop.train(config.load("meshes/demo.yaml", [*tiny, "train.steps=4", "train.profile_steps=[1, 3]"])) == 0
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ([], "mode: mesh data=2,fsdp=2,tensor=2; remat none; compute float32, params float32; "
+         "gradients reduced every step in float32; no pipeline"),
+    (["mesh.data=1", "mesh.pipeline=2", "train.remat=full", "train.compute_dtype=bfloat16", "train.grad_accum_steps=2"],
+     "mode: mesh pipeline=2,fsdp=2,tensor=2; remat full; compute bfloat16, params float32; "
+     "gradients reduced every step in float32; pipeline gpipe, 2 stages, 8 micro-batches; 2 accumulation steps"),
+    (["train.sync=local_sgd", "train.sync_every=4"],
+     "local SGD over data, sync every 4 steps in float32 (outer lr 1.0, momentum 0.0)"),
+])
+def test_start_of_a_run_says_its_mode_in_one_line(overrides, line):
+    from shardtrain import config, loop, mesh as mesh_lib
+    cfg = config.load("meshes/demo.yaml", overrides)
+    assert line in loop.mode_line(cfg, mesh_lib.make_mesh(cfg.mesh))

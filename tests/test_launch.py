@@ -1,5 +1,6 @@
 """The launch scripts: shellcheck, tpu_vm.sh --dry-run, local.sh's input checks, the JobSets."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -149,3 +150,34 @@ exit "$status"
     assert r.returncode == 137 and "killed the others" in lines and not any(x.startswith("scontrol") for x in lines)
     r, lines = sbatch((0, 0, "done: step 5"), (0, 0.1, ""), (0, 0.2, ""))
     assert r.returncode == 0 and not any(x.startswith("scontrol") for x in lines)
+
+
+def test_local_sh_without_an_environment_says_what_to_run(tmp_path):
+    (tmp_path / "launch").mkdir()
+    shutil.copy(REPO / "launch/local.sh", tmp_path / "launch/local.sh")
+    (tmp_path / "c.yaml").write_text("train: {steps: 2}\n")
+    r = subprocess.run(["bash", "launch/local.sh", "2", "c.yaml"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"local.sh: no shardtrain found: run `make venv` (or `make train`) in {tmp_path} first, or set SHARDTRAIN_CMD"]
+
+
+def test_local_sh_drops_gloo_chatter_from_every_process(tmp_path):
+    fake = tmp_path / "fake-shardtrain"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    "echo \"[Gloo] Rank $SHARDTRAIN_PROCESS_ID is connected to 1 peer ranks. Expected number of "
+                    "connected peer ranks is : 1\"\n"
+                    "echo \"2 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\"\n"
+                    "echo \"step line of $SHARDTRAIN_PROCESS_ID\"\n")
+    fake.chmod(0o755)
+    r = run("launch/local.sh", "2", "meshes/demo.yaml", env={**os.environ, "SHARDTRAIN_CMD": str(fake)})
+    assert r.returncode == 0, r.stderr
+    assert "connected" not in r.stdout + r.stderr
+    assert r.stdout.splitlines() == ["step line of 0"] and "[process 1] step line of 1" in r.stderr.splitlines()
+
+
+def test_gke_image_instructions_install_the_gcs_extra_at_pyprojects_jax():
+    """The JobSets checkpoint to gs://: the image they describe must have gcsfs (the gcs extra)."""
+    for text in ((REPO / "launch/gke_jobset.yaml").read_text(), (REPO / "launch/README.md").read_text()):
+        assert "pip install -e '.[gcs]'" in text and f"'jax[tpu]=={JAX_VERSION}'" in text
+        assert "checkpoint.directory=gs://" in text or "gs://" in text
