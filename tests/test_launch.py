@@ -179,5 +179,4 @@ def test_local_sh_drops_gloo_chatter_from_every_process(tmp_path):
 def test_gke_image_instructions_install_the_gcs_extra_at_pyprojects_jax():
     """The JobSets checkpoint to gs://: the image they describe must have gcsfs (the gcs extra)."""
     for text in ((REPO / "launch/gke_jobset.yaml").read_text(), (REPO / "launch/README.md").read_text()):
-        assert "pip install -e '.[gcs]'" in text and f"'jax[tpu]=={JAX_VERSION}'" in text
-        assert "checkpoint.directory=gs://" in text or "gs://" in text
+        assert re.search(r"pip install [-a-z ]*-e '\.\[gcs\]' 'jax\[tpu\]==" + re.escape(JAX_VERSION) + "'", text)
