@@ -289,7 +289,8 @@ class Checkpointer:
                 target = root / UNUSABLE_DIR / f"{step}-{time.time_ns()}"
             target.parent.mkdir(parents=True, exist_ok=True)
             (root / str(step)).rename(target)
-            (target / "UNUSABLE.txt").write_text(reason + "\n")
+            moved = reason.replace(f"{root / str(step)}/", f"{target}/")  # name the files where they now are
+            (target / "UNUSABLE.txt").write_text(moved + "\n")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"shardtrain set aside {step}")

@@ -219,7 +219,9 @@ def run(c: Command, extra=(), timeout=900):
     if argv[0] == "shardtrain":
         argv = [sys.executable, "-m", "shardtrain.cli", *argv[1:]]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env |= {"JAX_PLATFORMS": "cpu", "SHARDTRAIN_CMD": f"{sys.executable} -m shardtrain.cli", **c.env}
+    env |= {"JAX_PLATFORMS": "cpu", "SHARDTRAIN_CMD": f"{sys.executable} -m shardtrain.cli",
+            "SHARDTRAIN_HEARTBEAT_TIMEOUT": "100",  # local.sh's 10 s misfires when CI's 2 cores compile twice
+            **c.env}
     return subprocess.run([*argv, *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -240,6 +242,10 @@ def test_documented_dry_run_works(c):
     r = run(c, timeout=60)
     expect(c, r)
     assert "gcloud compute tpus tpu-vm ssh" in r.stdout
+    install = [line for line in r.stdout.splitlines() if "pip install" in line]
+    config = next(w for w in c.argv if w.endswith(".yaml"))
+    gs = "gs://" in c.text or re.search(r"^[^#\n]*gs://", (REPO / config).read_text(), re.M)
+    assert install and all(("[gcs]" in line) == bool(gs) for line in install), install
 
 
 MAKE = [c for c in COMMANDS if kind(c) == "make"]
