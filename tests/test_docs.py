@@ -283,3 +283,9 @@ def test_documented_command_runs(c, tmp_path):
         listing = subprocess.run([sys.executable, "-m", "shardtrain.cli", "ckpt", str(tmp_path / "run")],
                                  cwd=REPO, capture_output=True, text=True, timeout=120)
         assert listing.returncode == 0 and "committed" in listing.stdout, listing.stderr
+
+
+def test_bench_overhead_help_is_argparse():
+    r = subprocess.run([sys.executable, "bench/overhead.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: overhead.py") and "Traceback" not in r.stderr
