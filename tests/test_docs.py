@@ -6,14 +6,17 @@ How a command is run (kept cheap: this suite runs in CI on 2 cores):
 - `shardtrain train|plan`: the CLI's parser, the config with the command's overrides, the mesh for
   the device count the command implies (`--devices N`, `XLA_FLAGS=...device_count=N`, else 8), the
   shardings and a trace of the train step on an abstract mesh: every user error the command can hit
-  before compiling (exit 2). The slow tests then run a few of them for real (train.steps=2, a tmp
-  run_dir) and `shardtrain ckpt` on the result; SHARDTRAIN_DOCS_ALL=1 runs every one for real.
-- `launch/*.sh` dry runs and input checks run as they are; `launch/local.sh` runs for real (slow).
+  before compiling (exit 2). Other subcommands: parsed, and their config loaded if they take one.
+  The slow test runs the first command of each subcommand for real (train: train.steps=2, a tmp
+  run_dir, then `shardtrain ckpt` on it), in a mirror of the checkout so relative outputs land in
+  tmp; SHARDTRAIN_DOCS_ALL=1 runs every command for real (`plan --search` and local.sh included).
+- `launch/tpu_vm.sh --dry-run` runs as it is; `launch/local.sh` is checked like the `shardtrain train`
+  it starts (tests/test_multihost.py runs it end to end; SHARDTRAIN_DOCS_ALL=1 here too).
 - `make train` / `make test` are what CI itself runs, so they are not rerun here.
 Markers, as a trailing comment on the command's line in the README:
 - `# not run here: REASON` for what needs hardware or a cluster (a TPU VM, SLURM, GKE);
 - `# fails: exit N` for a command shown to fail; it must exit N.
-Placeholders (TPU_NAME, ZONE, CONFIG, RUN_DIR, N) are filled in by PLACEHOLDERS below.
+Placeholders (TPU_NAME, ZONE, CONFIG, N, ID) are filled in by PLACEHOLDERS below.
 """
 
 from __future__ import annotations
@@ -184,8 +187,11 @@ def check_statically(c: Command, tmp_path) -> None:
 
     from shardtrain import cli, config, data, mesh as mesh_lib, step
 
+    argv = c.argv
+    if argv[0] == "launch/local.sh":  # N processes of one `shardtrain train CONFIG ...` on 8 devices
+        argv = ["shardtrain", "train", *argv[2:]]
     try:
-        args = cli.parser().parse_args(c.argv[1:])
+        args = cli.parser().parse_args(argv[1:])
     except SystemExit as e:  # argparse: an unknown subcommand or option
         raise AssertionError(f"{c.id}: `{c.text}`: the CLI rejects its arguments (exit {e.code})") from None
     if args.command == "plan" and args.devices is not None and args.devices < 1:
@@ -206,7 +212,7 @@ def check_statically(c: Command, tmp_path) -> None:
     prog.step.trace(prog.abstract_state, prog.abstract_batch())
 
 
-STATIC = [c for c in COMMANDS if kind(c).startswith("shardtrain ")]
+STATIC = [c for c in COMMANDS if kind(c).startswith("shardtrain ") or kind(c) == "launch/local.sh"]
 
 
 @pytest.mark.parametrize("c", STATIC, ids=lambda c: c.id)
@@ -279,13 +285,14 @@ def test_documented_make_target_works(c):
 
 def runnable() -> list[Command]:
     """Every shardtrain and local.sh command with SHARDTRAIN_DOCS_ALL=1; otherwise the first of each
-    kind (`shardtrain train`, `shardtrain plan`, `shardtrain SUBCOMMAND`, `launch/local.sh`): the
-    static test covers the rest up to compiling. A `plan --search` compiles every mesh: only with
-    SHARDTRAIN_DOCS_ALL=1."""
+    kind (`shardtrain train`, `shardtrain plan`, `shardtrain SUBCOMMAND`): the static test covers
+    the rest up to compiling."""
     wanted = [c for c in COMMANDS if (kind(c).startswith("shardtrain ") or kind(c) == "launch/local.sh")
-              and c.marker != "fails" and not (kind(c).endswith("--search") and not os.environ.get("SHARDTRAIN_DOCS_ALL"))]
+              and c.marker != "fails"]
     if os.environ.get("SHARDTRAIN_DOCS_ALL"):
         return wanted
+    # tests/test_multihost.py runs local.sh end to end already; a search compiles every mesh
+    wanted = [c for c in wanted if kind(c) != "launch/local.sh" and not kind(c).endswith("--search")]
     firsts: dict[str, Command] = {}
     for c in wanted:
         firsts.setdefault(kind(c), c)
