@@ -231,6 +231,10 @@ class Checkpointer:
     def restore(self, step: int) -> tuple[dict, dict]:
         """The state (already in this run's shardings) and metadata saved at `step`. Raises
         ConfigError if the checkpoint does not fit the model, another exception if unreadable."""
+        with draining_event_loops():
+            return self._restore(step)
+
+    def _restore(self, step: int) -> tuple[dict, dict]:
         saved = self.manager.item_metadata(step)["state"]
         if saved is None:
             raise FileNotFoundError("its array metadata (state/_METADATA) is missing")
@@ -243,11 +247,10 @@ class Checkpointer:
                 f"checkpoint step {step} in {self.dir} does not fit this config's model "
                 f"({len(bad)} mismatching paths):\n  " + "\n  ".join(bad[:30]) + hint +
                 "\nResume with the config it was written with, or use another run_dir / checkpoint.directory.")
-        with draining_event_loops():
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    self.prog.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.prog.abstract_state)),
-                meta=ocp.args.JsonRestore()))
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                self.prog.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.prog.abstract_state)),
+            meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
     def restore_latest(self, say=print) -> tuple[dict, dict] | None:

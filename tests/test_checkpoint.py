@@ -105,6 +105,8 @@ def test_newest_corrupt_step_falls_back_and_good_steps_survive_later_saves(cfg_f
     prog = program(cfg_factory, "checkpoint.max_to_keep=2")
     state = save_steps(prog, [2, 4])
     root = prog.cfg.checkpoint_dir()
+    for f in glob.glob(f"{root}/4/state/ocdbt.process_0/d/*"):
+        os.remove(f)
     ckpt = checkpoint.Checkpointer(prog)
     said = []
     _, meta = ckpt.restore_latest(say=said.append)
@@ -252,15 +254,18 @@ def test_restored_state_is_bitwise_the_saved_one_on_another_mesh(cfg_factory):
 def test_damaged_step_messages_name_the_file(cfg_factory):
     """The reason a step is unusable names the damaged file, not tensorstore's repr of its spec."""
     prog = program(cfg_factory, "checkpoint.max_to_keep=10")
-    save_steps(prog, [1, 2, 3])
+    save_steps(prog, [1, 2, 3, 4])
     root = Path(prog.cfg.checkpoint_dir())
     big = max(glob.glob(f"{root}/1/state/ocdbt.process_0/d/*"), key=os.path.getsize)
     os.truncate(big, os.path.getsize(big) // 2)
     os.remove(root / "2/state/manifest.ocdbt")
     os.truncate(root / "3/state/_METADATA", 100)
+    for f in glob.glob(f"{root}/4/state/ocdbt.process_0/d/*"):
+        os.remove(f)
     ckpt = checkpoint.Checkpointer(prog)
     expected = {1: f"{big} is truncated (", 2: f"{root}/2/state/manifest.ocdbt is missing",
-                3: f"{root}/3/state/_METADATA is not valid JSON"}
+                3: f"{root}/3/state/_METADATA is not valid JSON",
+                4: f"a data file under {root}/4/state/ocdbt.process_*/d is missing or damaged: array "}
     for step, message in expected.items():
         with pytest.raises(Exception) as e:
             ckpt.restore(step)
