@@ -26,28 +26,26 @@ def rms_norm(x, scale, eps=1e-6):
 
 
 def rotary(x_bthe, theta: float, positions_bt=None):
-    """Rotary position embedding over the last (head) dimension; positions default to 0..T-1."""
+    """Rotary position embedding over the last (head) dimension at `positions_bt` (default 0..T-1)."""
     t, e = x_bthe.shape[1], x_bthe.shape[-1]
     freq_f = theta ** (-jnp.arange(0, e, 2, dtype=jnp.float32) / e)
-    pos_bt = jnp.arange(t)[None] if positions_bt is None else positions_bt
-    angle_btf = pos_bt.astype(jnp.float32)[:, :, None] * freq_f[None, None, :]
+    pos_bt = jnp.arange(t)[None, :] if positions_bt is None else positions_bt
+    angle_btf = pos_bt.astype(jnp.float32)[..., None] * freq_f
     sin, cos = jnp.sin(angle_btf)[:, :, None, :], jnp.cos(angle_btf)[:, :, None, :]
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
 
 
 def attention(q_bthe, k_btke, v_btke, segment_ids_bt, positions_bt, constrain):
-    """Causal attention; ring attention when the trainer splits `seq` over devices."""
+    """Causal attention, within a document when segment ids are given; ring attention when the
+    trainer splits `seq` over devices (its masks come from the positions: the trainer feeds the
+    sequence in a load-balanced order, models/ring_attention.py)."""
     if constrain.size("seq") > 1:
         return ring_attend(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, constrain=constrain)
-    if positions_bt is not None or segment_ids_bt is not None:  # any order of positions, packed documents
-        t = q_bthe.shape[1]
-        pos_bt = jnp.broadcast_to(jnp.arange(t) if positions_bt is None else positions_bt, q_bthe.shape[:2])
-        mask_btt = pos_bt[:, :, None] >= pos_bt[:, None, :]
-        if segment_ids_bt is not None:
-            mask_btt &= segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask_btt[:, None])
-    return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True)
+    # causal, and with segment ids only within a document: (B, 1, T, T) broadcast over heads
+    seg_bt = segment_ids_bt
+    same_b1tt = None if seg_bt is None else seg_bt[:, None, :, None] == seg_bt[:, None, None, :]
+    return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=same_b1tt, is_causal=True)
 
 
 class Block(nnx.Module):

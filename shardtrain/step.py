@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
-from shardtrain import comm, optim, sharding
+from shardtrain import comm, data, optim, sharding
 from shardtrain.config import ConfigError, RunConfig
 
 REMAT_POLICIES = {
@@ -47,24 +47,57 @@ class Program:
     """jitted seed -> state, created already sharded."""
     step: Callable
     """jitted (state, batch) -> (state, metrics), state donated."""
+
+    loss_sums: Callable
+    """(params, batch) -> (summed token loss, counted tokens), unjitted (evaluate.py jits it)."""
     loss_and_grads: Callable = None
     """jitted (params, batch) -> (losses, gradients) of the step, before any cross-replica
     reduction mode or update (tests compare meshes with it)."""
 
-    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+    def abstract_batch(self):
+        """The global batch: int32 (B, T+1) tokens, or for packed data a dict of three of them."""
         t = self.cfg.train
-        return jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
-                                    sharding=self.batch_sharding)
+        x = jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
+                                 sharding=self.batch_sharding)
+        return {k: x for k in PACKED_FIELDS} if data.packed(self.cfg) else x
+
+    def batch_shape(self) -> tuple[int, int]:
+        return (self.cfg.train.global_batch_size, self.cfg.data.seq_len + 1)
+
+    def device_batch(self, local_batch):
+        """This process's rows (numpy, as data.batches yields them) -> the global device batch."""
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+            self.batch_sharding, x, self.batch_shape()), local_batch)
 
     def lower(self):
         return self.step.lower(self.abstract_state, self.abstract_batch())
 
     def local_rows(self) -> slice:
         """Rows of the global batch held by this process's devices (a contiguous block)."""
-        index_map = self.batch_sharding.addressable_devices_indices_map(self.abstract_batch().shape)
-        starts = [idx[0].start or 0 for idx in index_map.values()]
-        stops = [idx[0].stop or self.cfg.train.global_batch_size for idx in index_map.values()]
-        return slice(min(starts), max(stops))
+        return self.rows_for(self.batch_sharding.addressable_devices)
+
+    def rows_for(self, devices) -> slice:
+        """Rows of the global batch held by `devices` (one process's: a contiguous block)."""
+        index_map = self.batch_sharding.devices_indices_map(self.batch_shape())
+        rows = [index_map[d][0] for d in devices]
+        return slice(min(r.start or 0 for r in rows),
+                     max(self.cfg.train.global_batch_size if r.stop is None else r.stop for r in rows))
+
+
+PACKED_FIELDS = ("tokens", "segment_ids", "positions")
+
+
+def unpack(batch):
+    """A batch -> (inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt).
+
+    Unpacked (an int array): every position counts, segment ids and positions are None. Packed
+    (a dict): position t is masked when its input and target lie in different documents (the
+    input is an EOS, the target the next document's first token); EOS itself is predicted."""
+    if not isinstance(batch, dict):
+        return batch[:, :-1], batch[:, 1:], None, None, jnp.ones(batch[:, 1:].shape, jnp.float32)
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    weights_bt = (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)
+    return tokens[:, :-1], tokens[:, 1:], seg[:, :-1], batch["positions"][:, :-1], weights_bt
 
 
 def dtype(name: str):
@@ -80,14 +113,14 @@ def scan_runner(cfg: RunConfig) -> Callable:
     """Runs the stacked blocks with lax.scan, each layer rematerialised by the configured policy."""
     policy = REMAT_POLICIES.get(cfg.train.remat)
     wrap = (lambda f: jax.checkpoint(f, policy=policy)) if policy else (lambda f: f)
-    return lambda blocks, x, positions=None: models.scan_blocks(blocks, x, wrap=wrap, positions=positions)
+    return lambda blocks, x, **docs: models.scan_blocks(blocks, x, wrap=wrap, **docs)
 
 
 def context_order(cfg: RunConfig, mesh: Mesh):
     """Under context parallelism (`seq` split n ways, n > 1), the causal load-balanced order of the
     sequence's positions (chunks i and 2n-1-i of 2n on device i; models/ring_attention.py); else None.
-    The step feeds inputs and targets in this order with their positions: the mean loss is the
-    same in any order, so nothing is un-permuted."""
+    The step feeds every field of the batch in this order, positions included: the summed loss is
+    the same in any order, so nothing is un-permuted."""
     n = sharding.Constrain(cfg.rules, mesh).size("seq")
     if n == 1:
         return None
@@ -99,7 +132,8 @@ def context_order(cfg: RunConfig, mesh: Mesh):
 
 
 def cross_entropy(logits_btv, targets_bt):
-    return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt).mean()
+    """Per-token cross-entropy (B, T), float32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
 
 
 def build(cfg: RunConfig, mesh: Mesh) -> Program:
@@ -108,6 +142,9 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
     if mesh.shape["pipeline"] > 1 and (cfg.model.n_experts > 1 or order_t is not None):
         raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.n_experts > 1) or mesh.context > 1 "
                           "yet; use mesh.pipeline=1")
+    if mesh.shape["pipeline"] > 1 and data.packed(cfg):
+        raise ConfigError(f"data.source={cfg.data.source} packs documents with segment ids, which the pipeline "
+                          "(mesh.pipeline > 1) does not carry yet; use mesh.pipeline=1")
     if mesh.shape["pipeline"] > 1:
         from shardtrain import pipeline
         run_blocks = pipeline.runner(cfg, mesh)  # first: its errors name layers, stages, repeats
@@ -139,42 +176,59 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
         params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
+    def loss_sum(model, batch):
+        """(summed cross-entropy over the counted positions, their number, the auxiliary losses the
+        model reports: a dict, e.g. an MoE router's)."""
+        inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
+        if order_t is not None:  # context parallelism: every field in the load-balanced order
+            if positions_bt is None:
+                positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
+            fields = [inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt]
+            inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = (
+                None if x is None else constrain(x[:, order_t], ("batch", "seq")) for x in fields)
+        docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
+        out = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
+        x_btd, aux = out if isinstance(out, tuple) else (out, {})
+        return (cross_entropy(model.head(x_btd), targets_bt) * weights_bt).sum(), weights_bt.sum(), aux
+
+    def loss_sums(params, batch):
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        return loss_sum(model, batch)[:2]
+
     def make_loss_and_grads(constrain):
         """loss_and_grads for the model with activations constrained by `constrain` (comm runs it per replica)."""
         graphdef = nnx.split(abstract_model(cfg, constrain))[0]
 
-        def loss_fn(params, tokens_bt):
-            """(objective, losses): cross-entropy `loss` plus whatever auxiliary losses the model
-            reports (an MoE router's), each logged as a metric and added to the objective."""
+        def loss_fn(params, batch, denominator):
+            """(objective, losses) of one micro-batch: `loss` = its summed token loss / denominator
+            (the whole step's counted tokens), plus each auxiliary loss the model reports (an MoE
+            router's) / grad_accum_steps; the objective is their sum, every entry is logged."""
             model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-            inputs_bt, targets_bt, positions = tokens_bt[:, :-1], tokens_bt[:, 1:], None
-            if order_t is not None:  # context parallelism: the load-balanced order (context_order)
-                inputs_bt, targets_bt, positions = inputs_bt[:, order_t], targets_bt[:, order_t], order_t[None]
-                inputs_bt, targets_bt = constrain(inputs_bt, ("batch", "seq")), constrain(targets_bt, ("batch", "seq"))
-            out = run_blocks(model.blocks, model.embed(inputs_bt), positions)
-            x_btd, aux = out if isinstance(out, tuple) else (out, {})
-            losses = {"loss": cross_entropy(model.head(x_btd), targets_bt), **aux}
+            loss, _, aux = loss_sum(model, batch)
+            losses = {"loss": loss / denominator, **{k: v / cfg.train.grad_accum_steps for k, v in aux.items()}}
             return sum(losses.values()), losses
 
-        def loss_and_grads(params, tokens_bt):
-            """Mean losses (a dict, `loss` the cross-entropy) and gradients over
-            train.grad_accum_steps micro-batches (= the full batch's)."""
+        def loss_and_grads(params, batch):
+            """Mean losses (a dict: `loss` the token loss, and any auxiliary losses) and gradients
+            over train.grad_accum_steps micro-batches (= the full batch's)."""
             accum = cfg.train.grad_accum_steps
+            denominator = jnp.maximum(unpack(batch)[-1].sum(), 1.0)
             grad_fn = jax.grad(loss_fn, has_aux=True)
             if accum == 1:
-                grads, losses = grad_fn(params, tokens_bt)
+                grads, losses = grad_fn(params, batch, denominator)
                 return losses, grads
-            micro_abt = tokens_bt.reshape(accum, -1, tokens_bt.shape[-1])  # (A, B/A, T+1)
+            # (B, T+1) -> (A, B/A, T+1) for each field of the batch
+            micro = jax.tree.map(lambda x: x.reshape(accum, -1, x.shape[-1]), batch)
 
-            def body(carry, micro_bt):
-                grads, losses = grad_fn(params, constrain(micro_bt, ("batch", None)))
+            def body(carry, micro_batch):
+                micro_batch = jax.tree.map(lambda x: constrain(x, ("batch", None)), micro_batch)
+                grads, losses = grad_fn(params, micro_batch, denominator)
                 return jax.tree.map(jnp.add, carry, (losses, grads)), None
 
-            abstract_losses = jax.eval_shape(loss_fn, params, micro_abt[0])[1]
+            abstract_losses = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micro), denominator)[1]
             zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_losses),
                      jax.tree.map(jnp.zeros_like, params))
-            total = jax.lax.scan(body, zeros, micro_abt)[0]
-            return jax.tree.map(lambda x: x / accum, total)
+            return jax.lax.scan(body, zeros, micro)[0]
         return loss_and_grads
 
     lr = optim.schedule(cfg)
@@ -189,8 +243,8 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
 
     loss_and_grads = make_loss_and_grads(constrain)
 
-    def train_step(state, tokens_bt):
-        return update(state, *loss_and_grads(state["params"], tokens_bt))
+    def train_step(state, batch):
+        return update(state, *loss_and_grads(state["params"], batch))
 
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
         state_shardings, init, train_step = comm.build(cfg, mesh, comm.Base(
@@ -200,7 +254,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
 
     return Program(
         cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=state_shardings,
-        batch_sharding=batch_sharding, abstract_state=abstract_state,
+        batch_sharding=batch_sharding, abstract_state=abstract_state, loss_sums=loss_sums,
         init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=state_shardings),
         step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated), donate_argnums=0),
