@@ -65,3 +65,16 @@ def test_context_parallel_step_passes_key_value_blocks_around_a_ring_and_never_g
     colls = hlo.collectives(plan.compile_fast(prog.lower(), "cpu").as_text(), dict(prog.mesh.shape))
     assert any(c.kind.startswith("collective-permute") and c.axes == ("context",) for c in colls), colls
     assert not [c for c in colls if c.kind.startswith("all-gather") and "context" in c.axes]
+
+
+def test_context_parallel_packed_documents_losses_and_gradients_equal_one_devices():
+    from test_moe import assert_same_losses_and_grads
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 256, (4, 65)).astype(np.int32)
+    starts = np.array([[0, 20, 50], [0, 33, 64], [0, 5, 41], [0, 64, 64]])  # each row: 2-3 documents
+    segment_ids = (np.arange(65)[None, :, None] >= starts[:, None, 1:]).sum(-1).astype(np.int32)
+    positions = (np.arange(65)[None] - np.take_along_axis(starts, segment_ids, 1)).astype(np.int32)
+    batch = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+    short = ["data.seq_len=64", "train.global_batch_size=4"]
+    assert_same_losses_and_grads(program(*short, devices=jax.devices()[:1]),
+                                 program(*short, "mesh.data=2", "mesh.context=2", "mesh.tensor=2"), batch)
