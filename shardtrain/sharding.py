@@ -119,7 +119,7 @@ class Constrain:
         mesh: `fn(Shard.UNSHARDED, *arrays)` on the whole arrays. `out_names`: one tuple of names,
         or a tuple of them for several outputs."""
         if self.mesh is None:
-            return functools.partial(fn, UNSHARDED)
+            return functools.partial(fn, Shard.UNSHARDED)
         current = jax.sharding.get_abstract_mesh()
         mesh = current if current.manual_axes else self.mesh
         free = frozenset(a for a in self.mesh.axis_names if a not in current.manual_axes)

@@ -2,7 +2,6 @@
 and the compiled program's collectives."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -93,3 +92,11 @@ def test_expert_parallel_step_moves_tokens_by_all_to_all_and_never_gathers_exper
     colls = hlo.collectives(plan.compile_fast(prog.lower(), "cpu").as_text(), dict(prog.mesh.shape))
     assert any(c.kind.startswith("all-to-all") and c.axes == ("expert",) for c in colls), colls
     assert not [c for c in colls if c.kind.startswith("all-gather") and "expert" in c.axes]
+
+
+def test_meshless_constrain_runs_the_layer_as_the_model_alone_does():
+    from shardtrain import sharding
+    cfg, layer, h_btd = layer_and_input()
+    alone = jax.jit(layer)(h_btd)[0]
+    layer.constrain = sharding.Constrain()
+    np.testing.assert_array_equal(np.asarray(jax.jit(layer)(h_btd)[0]), np.asarray(alone))
