@@ -359,8 +359,8 @@ def validate_hardware(cfg: RunConfig) -> None:
     hw = cfg.hardware
     if hw.chip is not None and hw.chip not in CHIPS:
         close = difflib.get_close_matches(hw.chip, CHIPS, n=1)
-        raise ConfigError(f"hardware.chip: unknown chip '{hw.chip}'" + (f"; did you mean '{close[0]}'?" if close else "")
-                          + f"; known: {', '.join(CHIPS)}")
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"hardware.chip: unknown chip '{hw.chip}'{hint}; known: {', '.join(CHIPS)}")
     if hw.slices < 1:
         raise ConfigError(f"hardware.slices: must be >= 1, got {hw.slices}")
     if hw.topology is None:
@@ -374,7 +374,8 @@ def validate_hardware(cfg: RunConfig) -> None:
         raise ConfigError(f"hardware.topology={hw.topology!r}: expected chips per dimension, e.g. 16x16 or 4x4x8")
     dcn = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
     if dcn > 1 and dcn != hw.slices:
-        raise ConfigError(f"mesh.dcn: its product {dcn} must equal hardware.slices={hw.slices} (one DCN step per slice)")
+        raise ConfigError(f"mesh.dcn: its product {dcn} must equal hardware.slices={hw.slices} "
+                          "(the DCN axes run across the slices)")
 
 
 def dump(cfg: RunConfig) -> str:

@@ -165,9 +165,10 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "memory_per_device_bytes": {
             "params": params_b, "optimizer": mem.argument_size_in_bytes - params_b - batch_b, "batch": batch_b,
             "temp": mem.temp_size_in_bytes, "total": total_b},
-        "compiled_memory_bytes": {
-            "arguments": mem.argument_size_in_bytes, "temp": mem.temp_size_in_bytes, "outputs": mem.output_size_in_bytes,
-            "aliased": mem.alias_size_in_bytes, "generated_code": mem.generated_code_size_in_bytes},
+        "compiled_memory_bytes": {  # memory_analysis() as the compiler gave it
+            "arguments": mem.argument_size_in_bytes, "temp": mem.temp_size_in_bytes,
+            "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes,
+            "generated_code": mem.generated_code_size_in_bytes},
         "attention_scores_bytes_per_layer": attention_scores_bytes(cfg, mesh),
         "memory_limit_bytes": chip_dev.hbm_bytes,
         "fits": total_b <= chip_dev.hbm_bytes,
@@ -184,7 +185,8 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "model_flops_per_token": flops_token,
         "model_flops_per_step": flops_token * tokens,
         "estimate": {**estimate(flops_dev, bytes_dev, colls, chip_dev, dcn_axes, flops_token * tokens, n),
-                     "tpu_cost_model_step_s": float(optimal_s) if optimal_s and optimal_s > 0 else None},
+                     "tpu_cost_model_step_s": float(optimal_s) if optimal_s and optimal_s > 0 else None,
+                     "cost_analysis_optimal_seconds": None if optimal_s is None else float(optimal_s)},
         "pipeline": pipeline_schedule(cfg, mesh),
         "compile_s": compile_s,
     }
@@ -263,8 +265,9 @@ def format_report(r: dict) -> str:
         lines.append(f"TPU cost model (cost_analysis optimal_seconds, loop bodies once): "
                      f"{e['tpu_cost_model_step_s'] * 1e3:.3f} ms")
     if r["compiler"] == "cpu" and not r["chip"] == "cpu":
-        lines.append(f"check by hand: one layer's f32 attention scores are {gib(r['attention_scores_bytes_per_layer'])} "
-                     "per device (XLA attention materialises them; a flash / cuDNN kernel does not)")
+        scores = gib(r["attention_scores_bytes_per_layer"])
+        lines.append(f"check by hand: one layer's f32 attention scores are {scores} per device (XLA attention "
+                     "materialises them; a flash / cuDNN kernel does not)")
     if r.get("comm_mode"):
         c = r["comm_mode"]
         lines.append(f"train.grad_reduce_dtype={c['grad_reduce_dtype']}, train.sync={c['sync']}: per device per step "

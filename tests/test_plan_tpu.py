@@ -4,12 +4,16 @@ per-chip argument bytes against the analytical shard bytes, the TPU's collective
 
 import argparse
 import functools
+import glob
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
 
-from shardtrain import chips, config, plan, topology
+from shardtrain import chips, config, mesh as mesh_lib, plan, step, topology
 
 # An MLP whose sharded dimensions are 4 x 128 (TPU arrays are tiled by 8 x 128: with smaller
 # dimensions the compiler pads them and the bytes are the padded ones), one layer, rows of 128 tokens.
@@ -99,3 +103,44 @@ def test_topology_devices_are_the_slices_chips():
     assert len(devices) == 8 and {d.platform for d in devices} == {"tpu"}
     assert sorted({d.slice_index for d in devices}) == [0, 1]
     assert jax.devices()[0].platform == "cpu"  # the tests' own devices are untouched
+
+
+SHIPPED = sorted(glob.glob("meshes/*.yaml"))
+TPU_SHIPPED = [p for p in SHIPPED if config.load(p).hardware.topology]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in SHIPPED if p not in TPU_SHIPPED])
+def test_every_shipped_config_fits_the_hardware_it_names(path):
+    """`shardtrain plan CONFIG`, no flags: GPU configs through the CPU compiler (an upper bound), demo on cpu."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets the mesh's device count
+    out = subprocess.run([sys.executable, "-m", "shardtrain.cli", "plan", path, "--json"], env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert r["chip"] == (config.load(path).hardware.chip or "cpu") and r["compiler"] == "cpu"
+    assert r["fits"], f"{path}: {r['memory_per_device_bytes']['total'] / 2 ** 30:.2f} GiB per device"
+    assert 0 < r["estimate"]["mfu"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", TPU_SHIPPED)
+def test_every_shipped_tpu_config_fits_its_topology(path):
+    """The TPU compiler on the config's own topology, at 2 layers (a full compile takes minutes; the
+    acceptance script and `shardtrain plan CONFIG` compile all of them): what depth adds per chip is
+    the state of the other layers (exact, from the abstract state) and, with train.remat=full, each
+    layer's saved bf16 input; both are added before comparing with the chip's memory."""
+    cfg = config.load(path)
+    short = config.load(path, ["model.n_layers=2"])
+    hw = cfg.hardware
+    chip, devices = chips.CHIPS[hw.chip], list(topology.devices(chips.CHIPS[hw.chip], hw.topology, hw.slices))
+    assert cfg.train.remat == "full" and cfg.train.compute_dtype == "bfloat16"
+    r = plan.plan_one(short, devices, chip)
+    assert r["compiler"] == "tpu" and r["chip"] == hw.chip
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    state = {c.model.n_layers: plan.shard_bytes(step.build(c, mesh).abstract_state) for c in (cfg, short)}
+    rows = cfg.train.global_batch_size // cfg.train.grad_accum_steps // (mesh.shape["data"] * mesh.shape["fsdp"])
+    saved = (cfg.model.n_layers - 2) * rows * cfg.data.seq_len * cfg.model.d_model * 2
+    total = r["memory_per_device_bytes"]["total"] + state[cfg.model.n_layers] - state[2] + saved
+    assert total <= chip.hbm_bytes, f"{path}: about {total / 2 ** 30:.2f} GiB per chip"
+    assert 0 < r["estimate"]["mfu"] <= 1
