@@ -154,9 +154,12 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
     bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
     colls = hlo.collectives(text, dict(mesh.shape))
+    dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1}
+    if platform == "tpu" and dcn_axes:  # multi-slice: libtpu's cross-slice reductions
+        slices = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
+        colls += hlo.dcn_reductions(text, tuple(a for a in MESH_AXES if a in dcn_axes), slices)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     flops_token = model_flops_per_token(cfg, n_params)
-    dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1}
     return {
         "config": cfg.name, "model": cfg.model.name, "devices": n, "chip": chip.name,
         "compiler": platform, "compiler_note": compiler_note(platform, chip), "topology": topology_name(mesh),

@@ -105,6 +105,19 @@ def test_topology_devices_are_the_slices_chips():
     assert jax.devices()[0].platform == "cpu"  # the tests' own devices are untouched
 
 
+def test_multi_slice_plan_counts_the_reduction_across_slices():
+    """Two v5p 2x2x1 slices, fsdp=4 inside each, data=2 across them over DCN: the gradient shards
+    (a quarter of every gradient per chip) are reduced across the slices once per step."""
+    cfg = config.load(None, [*TPU_SMALL, "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=1", "mesh.dcn.data=2",
+                             "hardware.chip=v5p", "hardware.topology=2x2x1", "hardware.slices=2"])
+    r = plan.plan_one(cfg, list(topology.devices(chips.CHIPS["v5p"], "2x2x1", 2)), chips.CHIPS["v5p"])
+    assert r["devices"] == 8 and "2 slices" in r["topology"]
+    across = r["collectives"]["all-reduce"]
+    assert "data" in across["axes"]
+    assert PARAM_BYTES // 4 <= across["bytes"] <= PARAM_BYTES // 4 + 64 * 1024  # + the loss and metric scalars
+    assert r["collectives"]["reduce-scatter"]["bytes"] == PARAM_BYTES and r["estimate"]["comm_s"] > 0
+
+
 SHIPPED = sorted(glob.glob("meshes/*.yaml"))
 TPU_SHIPPED = [p for p in SHIPPED if config.load(p).hardware.topology]
 
