@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
-from shardtrain import checkpoint, config as config_lib, data, mesh as mesh_lib, step as step_lib
+from shardtrain import checkpoint, config as config_lib, data, evaluate, mesh as mesh_lib, pipeline, step as step_lib
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
@@ -39,6 +38,27 @@ class Preemption:
         return self.requested
 
 
+def mode_line(cfg: config_lib.RunConfig, mesh) -> str:
+    """One console line with what this run does: mesh, remat, dtypes, gradient communication, pipeline."""
+    t = cfg.train
+    axes = ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
+    dcn = ",".join(f"{a}={getattr(cfg.mesh.dcn, a)}" for a in config_lib.MESH_AXES if getattr(cfg.mesh.dcn, a) > 1)
+    if t.sync == "local_sgd":
+        comm = (f"local SGD over {','.join(t.sync_axes)}, sync every {t.sync_every} steps in {t.grad_reduce_dtype} "
+                f"(outer lr {t.outer_learning_rate}, momentum {t.outer_momentum})")
+    else:
+        comm = f"gradients reduced every step in {t.grad_reduce_dtype}"
+    stages = mesh.shape.get("pipeline", 1)
+    if stages > 1:
+        repeats = f", {t.pipeline_repeats} repeats" if t.pipeline_schedule == "circular" else ""
+        pipe = f"pipeline {t.pipeline_schedule}, {stages} stages, {pipeline.microbatches(cfg, mesh)} micro-batches{repeats}"
+    else:
+        pipe = "no pipeline"
+    accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
+    return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}, "
+            f"params {t.param_dtype}; {comm}; {pipe}{accum}")
+
+
 def train(cfg: config_lib.RunConfig) -> int:
     """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
     A run whose checkpoints already reach train.steps is complete: it says so and returns 0
@@ -64,6 +84,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
+    evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
     is_main = jax.process_index() == 0
     if is_main:
@@ -71,6 +92,10 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
         (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
         print(f"shardtrain: {cfg.model.name} {n_params / 1e6:.2f}M params on {jax.device_count()} "
               f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; compiling...", flush=True)
+        print(mode_line(cfg, mesh), flush=True)
+        if data.packed(cfg):
+            from shardtrain import tokens_source
+            print(tokens_source.describe(cfg), flush=True)
 
     preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
     t0 = time.perf_counter()
@@ -94,7 +119,6 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     if start > 0:
         metrics.event("resume", step=start)
     rows = prog.local_rows()
-    global_shape = prog.abstract_batch().shape
     profile = cfg.train.profile_steps
     pending = None  # (step, metrics arrays) of the step in flight: read after the next dispatch
     last_done = time.perf_counter()
@@ -108,16 +132,19 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
             metrics.log(pending[0], values, now - last_done)
             last_done, pending = now, None
 
+    tracing = False  # steps profile[0]..profile[1] (1-based) run inside a jax.profiler trace
     for i, local_batch in data.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps):
-        if profile and i == profile[0]:
+        if profile and not tracing and profile[0] <= i + 1 <= profile[1]:
             jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
-        batch = jax.make_array_from_process_local_data(prog.batch_sharding, local_batch, global_shape)
+            tracing = True
+        batch = prog.device_batch(local_batch)
         state, step_metrics = compiled(state, batch)
         finish_pending()
         pending = (i + 1, step_metrics)
-        if profile and i == profile[1]:
+        if tracing and i + 1 == profile[1]:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
+            tracing = False
         done = i + 1
         if preemption.reached(done):
             finish_pending()
@@ -127,12 +154,18 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
             metrics.message(f"preempted at step {done}; rerun the same command to resume")
             exit_code = EXIT_PREEMPTED
             break
+        if evaluator and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+            finish_pending()
+            metrics.log_eval(done, evaluator(state["params"]))
+            last_done = time.perf_counter()  # evaluation is not a step's time
         if done % cfg.checkpoint.every_steps == 0 or done == cfg.train.steps:
             finish_pending()
             ckpt.save(done, state)
             last_done = time.perf_counter()  # the save's blocking part is not a step's time
         ckpt.check()  # a failed async save raises checkpoint.SaveFailed at the next step boundary
     finish_pending()
+    if tracing:  # preempted inside the traced steps
+        jax.profiler.stop_trace()
     ckpt.wait()
     ckpt.close()
     metrics.close()
@@ -144,5 +177,4 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
 def bare_loop_batches(prog: step_lib.Program, steps: int) -> list[jax.Array]:
     """The first `steps` global batches as device arrays (for benchmarks that bypass the loop)."""
     it = data.batches(data.samples(prog.cfg), prog.cfg.train.global_batch_size, prog.local_rows(), 0, steps)
-    shape = prog.abstract_batch().shape
-    return [jax.make_array_from_process_local_data(prog.batch_sharding, np.asarray(b), shape) for _, b in it]
+    return [prog.device_batch(b) for _, b in it]
