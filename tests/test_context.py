@@ -67,6 +67,7 @@ def test_context_parallel_step_passes_key_value_blocks_around_a_ring_and_never_g
     assert not [c for c in colls if c.kind.startswith("all-gather") and "context" in c.axes]
 
 
+@pytest.mark.slow
 def test_context_parallel_packed_documents_losses_and_gradients_equal_one_devices():
     from test_moe import assert_same_losses_and_grads
     rng = np.random.default_rng(1)
