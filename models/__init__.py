@@ -11,7 +11,7 @@ import math
 import jax
 from flax import nnx
 
-MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
+MODELS = {"gpt": "models.gpt:Gpt", "llama": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
 
 
 def get(name: str):

@@ -74,8 +74,24 @@ class RulesConfig:
 
 
 @dataclass(frozen=True)
+class RopeScalingConfig:
+    """Rotary frequency scaling for contexts longer than pre-training (Hugging Face `rope_scaling`)."""
+
+    type: Literal["linear", "llama3"] = "llama3"
+    """`linear`: every frequency divided by `factor`; `llama3`: Llama 3.1's low/high-frequency blend."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the pre-training context length."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Model architecture. `name` picks the class from the registry in `models/`."""
+    """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
+    Mistral, Qwen2/2.5 and Qwen3 are configs of the one decoder `gpt` (alias `llama`)."""
 
     name: str = "gpt"
     vocab_size: int = 256
@@ -87,6 +103,18 @@ class ModelConfig:
     d_ff: int = 512
     """Hidden size of the (SwiGLU) MLP."""
     rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScalingConfig] = None
+    """Rotary frequency scaling (Llama 3.1+ `llama3`, or `linear`); null: none."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (Llama 1e-5, Qwen 1e-6)."""
+    tie_embeddings: bool = False
+    """The output projection is the transposed token embedding (Llama 3.2 1B/3B, small Qwens)."""
+    head_dim: Optional[int] = None
+    """Attention head size; default d_model / n_heads (Qwen3 sets its own)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2 / Qwen2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before rotary (Qwen3)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +195,10 @@ class CheckpointConfig:
     writer_niceness: int = 19
     """CPU niceness (0-19, Linux) of the threads that write an async save, so that it runs on CPU
     time the training leaves idle instead of slowing the steps; 0: the training's own priority."""
+    init_from: Optional[str] = None
+    """Start from these weights (step 0, fresh optimizer state): a directory written by
+    `shardtrain import-hf`, a run directory or checkpoint step directory, or a Hugging Face model
+    directory (config.json + *.safetensors). Ignored once run_dir has checkpoints (resume wins)."""
 
 
 @dataclass(frozen=True)
@@ -321,8 +353,9 @@ def validate(cfg: RunConfig) -> None:
                           f"train.grad_accum_steps={t.grad_accum_steps}")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
+                          "(or set model.head_dim)")
     if str(cfg.run_dir).startswith("gs://"):
         raise ConfigError(f"run_dir={cfg.run_dir}: must be a local directory (metrics, plots); put "
                           "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")
