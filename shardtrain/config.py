@@ -284,6 +284,12 @@ def _build(cls, values: dict, where: str):
     return cls(**kwargs)
 
 
+def from_dict(tree: dict, cls=None):
+    """A config (RunConfig by default, or the section class `cls`) from a plain dict such as a
+    checkpoint's saved config; unknown keys and wrong types raise ConfigError."""
+    return _build(cls or RunConfig, tree, "" if cls is None else cls.__name__)
+
+
 def _set_dotted(tree: dict, dotted: str, value) -> None:
     *parents, last = dotted.split(".")
     for p in parents:

@@ -227,15 +227,15 @@ class Source:
             # tie_word_embeddings absent from config.json but an lm_head is stored: it is untied
             self.model = dataclasses.replace(self.model, tie_embeddings=False)
             self.entries = tensor_map(self.model)
-        bad = []
+        bad, config = [], "config.json" if m is None else "the model config"
         for entry in self.entries:
             for name in names_of(entry, self.model.n_layers):
                 if name not in present:
                     bad.append(f"{name}: missing from the weights, expected shape {entry.hf_shape}")
                 elif self.reader.shape(name) != entry.hf_shape:
-                    bad.append(f"{name}: weights {self.reader.shape(name)}, config.json implies {entry.hf_shape}")
+                    bad.append(f"{name}: weights {self.reader.shape(name)}, {config} implies {entry.hf_shape}")
         if bad:
-            raise ConfigError(f"{self.dir}: config.json disagrees with the weights ({len(bad)} tensors): "
+            raise ConfigError(f"{self.dir}: {config} disagrees with the weights ({len(bad)} tensors): "
                               + "; ".join(bad[:5]) + ("; ..." if len(bad) > 5 else ""))
 
     def dtype_name(self) -> str:

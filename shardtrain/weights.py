@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -44,15 +46,16 @@ class Source:
                 return json.loads((d / name).read_text())
         return None
 
-    def params(self, abstract_params: dict) -> dict:
-        """The parameters, restored straight into the shardings of `abstract_params`."""
+    def params(self, abstract_params: dict, model: config_lib.ModelConfig | None = None) -> dict:
+        """The parameters, restored straight into the shapes and shardings of `abstract_params`
+        (of `model`, by default the source's own); ConfigError naming the tensors that differ."""
         if self.hf_dir is not None:
-            return hf.Source(self.hf_dir, self.model).params(abstract_params)
+            return hf.Source(self.hf_dir, model or self.model).params(abstract_params)
         return restore_params(self.step_dir, abstract_params)
 
 
 def model_from_dict(d: dict) -> config_lib.ModelConfig:
-    return config_lib._build(config_lib.ModelConfig, d, "model")
+    return config_lib.from_dict(d, config_lib.ModelConfig)
 
 
 def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
@@ -108,7 +111,7 @@ def initial_state(prog, source: Source) -> dict:
     if comm.enabled(prog.cfg):
         raise config_lib.ConfigError("checkpoint.init_from: not supported with train.sync=local_sgd or a "
                                      "compressed train.grad_reduce_dtype yet; start with the defaults")
-    params = source.params(prog.abstract_state["params"])
+    params = source.params(prog.abstract_state["params"], prog.cfg.model)
     tx = optim.make(prog.cfg)
     make = jax.jit(lambda p: {"params": p, "opt": tx.init(p), "step": jnp.zeros((), jnp.int32)},
                    out_shardings=prog.state_shardings, donate_argnums=0)
@@ -120,3 +123,83 @@ def write_run_config(cfg: config_lib.RunConfig, path: Path) -> None:
     tree = yaml.safe_load(config_lib.dump(cfg))
     tree.pop("run_dir", None)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
+
+
+# ----------------------------------------------------------------------------- import-hf / export-hf
+
+
+def run_config_of(source: Source) -> config_lib.RunConfig:
+    """The run config the source's weights were written with (the defaults for an HF dir)."""
+    tree = {**source.config, "model": dataclasses.asdict(source.model)}
+    cfg = config_lib.from_dict(tree)
+    config_lib.validate(cfg)
+    return cfg
+
+
+def program_for(cfg: config_lib.RunConfig):
+    """A program on the config's mesh, or on one device when the mesh does not fit those present."""
+    from shardtrain import mesh as mesh_lib, step
+    try:
+        return step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    except config_lib.ConfigError:
+        one = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(),
+                                  train=dataclasses.replace(cfg.train, global_batch_size=1, grad_accum_steps=1))
+        return step.build(one, mesh_lib.make_mesh(one.mesh, jax.devices()[:1]))
+
+
+def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
+    """`shardtrain import-hf`: an HF model directory -> OUT_DIR/checkpoints/0 (the parameters at
+    step 0; the optimizer state starts fresh wherever it is used), OUT_DIR/config.yaml (a training
+    config with checkpoint.init_from: OUT_DIR), the original config.json as hf_config.json and the
+    tokenizer files."""
+    t0 = time.perf_counter()
+    src = hf.Source(hf_dir)  # architecture, shards, shapes: checked before any work
+    out = Path(out_dir).resolve()
+    if checkpoint.scan(str(out / "checkpoints")):
+        raise config_lib.ConfigError(f"import-hf: {out} already holds checkpoints; give a new OUT_DIR")
+    cfg = config_lib.load(None, ["mesh.data=-1", f"run_dir={out}", f"checkpoint.init_from={out}",
+                                 "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", *overrides])
+    cfg = dataclasses.replace(cfg, model=src.model, name=out.name)
+    config_lib.validate(cfg)
+    prog = program_for(cfg)
+    params = src.params(prog.abstract_state["params"])
+    ckpt = checkpoint.Checkpointer(prog)
+    ckpt.save(0, {"params": params, "step": jnp.zeros((), jnp.int32)})
+    ckpt.wait()
+    ckpt.close()
+    write_run_config(cfg, out / "config.yaml")
+    shutil.copyfile(src.dir / "config.json", out / HF_CONFIG)
+    hf.copy_side_files(src.dir, out)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    say(f"imported {hf.architecture(src.hf, '')} ({n / 1e6:.2f}M parameters) from {src.dir} to {out} "
+        f"in {time.perf_counter() - t0:.1f} s; fine-tune with: shardtrain train {out / 'config.yaml'}")
+
+
+def parse_bytes(text: str) -> int:
+    units = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit) and t[:-len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[:-len(unit)]) * scale)
+    if t.isdigit():
+        return int(t)
+    raise config_lib.ConfigError(f"--max-shard-size {text!r}: give bytes like 5GB, 500MB or 2000000")
+
+
+def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shard_size: str = "5GB",
+              say=print) -> None:
+    """`shardtrain export-hf`: a run directory, checkpoint step or import-hf directory -> an HF
+    model directory loadable by transformers (config.json, safetensors shards + index, tokenizer)."""
+    t0 = time.perf_counter()
+    source = find(source_path, what="export-hf")
+    base = source.base_hf_config()
+    if dtype is None:
+        dtype = (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
+        dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+    limit = parse_bytes(max_shard_size)
+    prog = program_for(run_config_of(source))
+    params = source.params(prog.abstract_state["params"])
+    files = hf.export(params, source.model, out_dir, base=base, dtype=dtype, max_shard_bytes=limit,
+                      side_files=source.files_dir)
+    say(f"exported {source.step_dir or source.path} to {out_dir} ({len(files)} safetensors file"
+        f"{'s' * (len(files) > 1)}, {dtype}) in {time.perf_counter() - t0:.1f} s")
