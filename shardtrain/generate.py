@@ -13,6 +13,7 @@ run learned; not a serving system (no continuous batching, no paged cache).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -130,19 +131,10 @@ class Generator:
         cache_sharding = NamedSharding(self.mesh, sharding.spec_for(names, self.cfg.rules, self.mesh, shape=cache_shape))
         dtype = step_lib.dtype(self.cfg.train.compute_dtype)
         graphdef, params = nnx.split(self.model)
-
-        @jax.jit
-        def prefill(params, tokens_bp, positions_bp, first_b, key):
-            cache = {k: jax.lax.with_sharding_constraint(jnp.zeros(cache_shape, dtype), cache_sharding) for k in "kv"}
-            logits_btv, cache = nnx.merge(graphdef, params).decode(tokens_bp, cache, 0, positions_bp, first_b)
-            return sample(logits_btv[:, -1], key, temperature, top_p), cache
-
-        @jax.jit
-        def next_token(params, cache, token_b, slot, position_b, first_b, key):
-            logits_btv, cache = nnx.merge(graphdef, params).decode(
-                token_b[:, None], cache, slot, position_b[:, None], first_b)
-            return sample(logits_btv[:, 0], key, temperature, top_p), cache
-
+        static = dict(graphdef=graphdef, cache_shape=cache_shape, dtype=dtype, cache_sharding=cache_sharding,
+                      temperature=temperature, top_p=top_p)
+        prefill = functools.partial(_prefill, **static)
+        next_token = functools.partial(_next_token, graphdef=graphdef, temperature=temperature, top_p=top_p)
         keys = jax.random.split(jax.random.key(seed), max_new_tokens)
         with jax.set_mesh(self.mesh):
             token_b, cache = prefill(params, tokens_bp, positions_bp, first_b, keys[0])
@@ -161,3 +153,19 @@ class Generator:
                     break
                 token_b, cache = next_token(params, cache, token_b, p + n, lengths + n, first_b, keys[n + 1])
         return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_shape", "dtype", "cache_sharding", "temperature", "top_p"))
+def _prefill(params, tokens_bp, positions_bp, first_b, key, *, graphdef, cache_shape, dtype, cache_sharding,
+             temperature, top_p):
+    """Runs the prompts through the model, filling a fresh cache; samples the first new token."""
+    cache = {k: jax.lax.with_sharding_constraint(jnp.zeros(cache_shape, dtype), cache_sharding) for k in "kv"}
+    logits_btv, cache = nnx.merge(graphdef, params).decode(tokens_bp, cache, 0, positions_bp, first_b)
+    return sample(logits_btv[:, -1], key, temperature, top_p), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_p"), donate_argnums=1)
+def _next_token(params, cache, token_b, slot, position_b, first_b, key, *, graphdef, temperature, top_p):
+    """One decoding step: the last token in at cache slot `slot`, the next token out."""
+    logits_btv, cache = nnx.merge(graphdef, params).decode(token_b[:, None], cache, slot, position_b[:, None], first_b)
+    return sample(logits_btv[:, 0], key, temperature, top_p), cache
