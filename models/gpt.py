@@ -72,6 +72,11 @@ def cached_attention(q_bthe, k_bske, v_bske, mask_bts):
     return o_btkge.reshape(b, t, h, e).astype(q_bthe.dtype)
 
 
+LOGICAL = {"wq_dhe": ("embed", "heads", None), "wk_dke": ("embed", "kv_heads", None),
+           "wv_dke": ("embed", "kv_heads", None), "wo_hed": ("heads", None, "embed"),
+           "w_gate_df": ("embed", "mlp"), "w_up_df": ("embed", "mlp"), "w_down_fd": ("mlp", "embed")}
+
+
 class Block(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
         d, h, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
@@ -79,9 +84,9 @@ class Block(nnx.Module):
         self.theta, self.constrain = cfg.rope_theta, constrain
         self.rope_scaling, self.eps = cfg.rope_scaling, cfg.rms_norm_eps
         self.attn_norm = param(rngs, ones, (d,), (None,))
-        self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), ("embed", "heads", None))
-        self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), ("embed", "kv_heads", None))
-        self.wv_dke = param(rngs, normal(d ** -0.5), (d, k, e), ("embed", "kv_heads", None))
+        self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
+        self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wk_dke"])
+        self.wv_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wv_dke"])
         if cfg.qkv_bias:
             self.bq_he = param(rngs, zeros, (h, e), ("heads", None))
             self.bk_ke = param(rngs, zeros, (k, e), ("kv_heads", None))
@@ -89,17 +94,32 @@ class Block(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = param(rngs, ones, (e,), (None,))
             self.k_norm = param(rngs, ones, (e,), (None,))
-        self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), ("heads", None, "embed"))
+        self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), LOGICAL["wo_hed"])
         self.mlp_norm = param(rngs, ones, (d,), (None,))
-        self.w_gate_df = param(rngs, normal(d ** -0.5), (d, f), ("embed", "mlp"))
-        self.w_up_df = param(rngs, normal(d ** -0.5), (d, f), ("embed", "mlp"))
-        self.w_down_fd = param(rngs, normal(f ** -0.5 / 2), (f, d), ("mlp", "embed"))
+        self.w_gate_df = param(rngs, normal(d ** -0.5), (d, f), LOGICAL["w_gate_df"])
+        self.w_up_df = param(rngs, normal(d ** -0.5), (d, f), LOGICAL["w_up_df"])
+        self.w_down_fd = param(rngs, normal(f ** -0.5 / 2), (f, d), LOGICAL["w_down_fd"])
+        self.lora_scale = cfg.lora.alpha / max(cfg.lora.rank, 1)
+        for name in cfg.lora.target_params():  # low-rank adapters: A (W's input dims, r), B (r, W's output dims)
+            w, n_in, r = getattr(self, name), 2 if name == "wo_hed" else 1, cfg.lora.rank
+            names = LOGICAL[name]
+            setattr(self, name + "_lora_a", param(rngs, normal(math.prod(w.shape[:n_in]) ** -0.5),
+                                                  (*w.shape[:n_in], r), (*names[:n_in], None)))
+            setattr(self, name + "_lora_b", param(rngs, zeros, (r, *w.shape[n_in:]), (None, *names[n_in:])))
+
+    def weight(self, name):
+        """A block weight; with a LoRA adapter W + (alpha/r) A @ B, the frozen W out of the gradient."""
+        w = getattr(self, name)[...]
+        if not hasattr(self, name + "_lora_a"):
+            return w
+        a, b = getattr(self, name + "_lora_a")[...], getattr(self, name + "_lora_b")[...]
+        return jax.lax.stop_gradient(w) + (self.lora_scale * dense(a, b)).astype(w.dtype)
 
     def qkv(self, x_btd, positions_bt=None):
         """Queries, keys (both rotated) and values of the normed input."""
         c = self.constrain
         h_btd = rms_norm(x_btd, self.attn_norm[...], self.eps)
-        q_bthe, k_btke, v_btke = (dense(h_btd, w[...]) for w in (self.wq_dhe, self.wk_dke, self.wv_dke))
+        q_bthe, k_btke, v_btke = (dense(h_btd, self.weight(w)) for w in ("wq_dhe", "wk_dke", "wv_dke"))
         if hasattr(self, "bq_he"):
             q_bthe, k_btke, v_btke = q_bthe + self.bq_he[...], k_btke + self.bk_ke[...], v_btke + self.bv_ke[...]
         if hasattr(self, "q_norm"):
@@ -111,11 +131,11 @@ class Block(nnx.Module):
     def finish(self, x_btd, o_bthe):
         """Output projection, residual, then the SwiGLU MLP and its residual."""
         c = self.constrain
-        x_btd = c(x_btd + dense(o_bthe, self.wo_hed[...], n_in=2), ("batch", "seq", None))
+        x_btd = c(x_btd + dense(o_bthe, self.weight("wo_hed"), n_in=2), ("batch", "seq", None))
         h_btd = rms_norm(x_btd, self.mlp_norm[...], self.eps)
-        gate_btf = c(dense(h_btd, self.w_gate_df[...]), ("batch", "seq", "mlp"))
-        up_btf = c(dense(h_btd, self.w_up_df[...]), ("batch", "seq", "mlp"))
-        out_btd = dense(jax.nn.silu(gate_btf) * up_btf, self.w_down_fd[...])
+        gate_btf = c(dense(h_btd, self.weight("w_gate_df")), ("batch", "seq", "mlp"))
+        up_btf = c(dense(h_btd, self.weight("w_up_df")), ("batch", "seq", "mlp"))
+        out_btd = dense(jax.nn.silu(gate_btf) * up_btf, self.weight("w_down_fd"))
         return c(x_btd + out_btd, ("batch", "seq", None))
 
     def __call__(self, x_btd):

@@ -88,6 +88,28 @@ class RopeScalingConfig:
     """llama3: the pre-training context length."""
 
 
+LORA_TARGETS = {"wq_dhe": "q_proj", "wk_dke": "k_proj", "wv_dke": "v_proj", "wo_hed": "o_proj",
+                "w_gate_df": "gate_proj", "w_up_df": "up_proj", "w_down_fd": "down_proj"}
+"""Block weights LoRA can adapt: our parameter name -> the Hugging Face module name (either works)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters: each target weight W is used as W + (alpha / rank) * A @ B with A
+    (W's input dims, rank) and B (rank, W's output dims), sharded like W's dims; B starts at zero.
+    With rank > 0 only the adapters train (the rest is frozen) and export-hf merges them into W."""
+
+    rank: int = 0
+    """Adapter rank; 0: no adapters."""
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("wq_dhe", "wk_dke", "wv_dke", "wo_hed")
+    """Adapted block weights by parameter name (wq_dhe, w_up_df, ...) or HF module name (q_proj, up_proj, ...)."""
+
+    def target_params(self) -> tuple[str, ...]:
+        by_hf = {v: k for k, v in LORA_TARGETS.items()}
+        return tuple(by_hf.get(t, t) for t in self.targets) if self.rank > 0 else ()
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
@@ -115,6 +137,8 @@ class ModelConfig:
     """Biases on the query, key and value projections (Qwen2 / Qwen2.5)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head before rotary (Qwen3)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
 
 
 @dataclass(frozen=True)
@@ -362,6 +386,12 @@ def validate(cfg: RunConfig) -> None:
     if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
                           "(or set model.head_dim)")
+    for target in m.lora.targets:
+        if target not in LORA_TARGETS and target not in LORA_TARGETS.values():
+            raise ConfigError(f"model.lora.targets: unknown weight '{target}'; choose from "
+                              f"{', '.join(LORA_TARGETS)} (or {', '.join(LORA_TARGETS.values())})")
+    if m.lora.rank < 0:
+        raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {m.lora.rank}")
     if str(cfg.run_dir).startswith("gs://"):
         raise ConfigError(f"run_dir={cfg.run_dir}: must be a local directory (metrics, plots); put "
                           "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")

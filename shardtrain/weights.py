@@ -105,17 +105,75 @@ def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     return restored["params"]
 
 
+def is_adapter(path) -> bool:
+    return "_lora_" in "/".join(map(str, path))
+
+
+def split_adapters(tree: dict) -> tuple[dict, dict]:
+    """(everything but the LoRA adapters, the adapters) of a parameter tree."""
+    def pick(node, keep, path=()):
+        if isinstance(node, dict):
+            out = {k: pick(v, keep, (*path, k)) for k, v in node.items()}
+            return {k: v for k, v in out.items() if v is not None and not (isinstance(v, dict) and not v)}
+        return node if is_adapter(path) == keep else None
+    return pick(tree, False), pick(tree, True)
+
+
+def merge_adapters(params: dict, model: config_lib.ModelConfig) -> dict:
+    """The parameters with each LoRA adapter folded into its weight: W + (alpha/r) A @ B."""
+    targets = model.lora.target_params()
+    if not targets:
+        return params
+    base, _ = split_adapters(params)
+    scale = model.lora.alpha / model.lora.rank
+
+    @jax.jit
+    def merge(blocks):
+        out = {k: v for k, v in blocks.items() if not is_adapter((k,))}
+        for name in targets:
+            a, b = blocks[name + "_lora_a"], blocks[name + "_lora_b"]  # (L, in..., r), (L, r, out...)
+            delta = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))(a, b)
+            out[name] = (out[name] + scale * delta).astype(out[name].dtype)
+        return out
+    return {**base, "blocks": merge(params["blocks"])}
+
+
 def initial_state(prog, source: Source) -> dict:
-    """A fresh train state (step 0, new optimizer state) around the source's parameters."""
+    """A fresh train state (step 0, new optimizer state) around the source's parameters; LoRA
+    adapters (model.lora.rank > 0) start fresh (B = 0: the model starts as the source)."""
     from shardtrain import comm, optim
     if comm.enabled(prog.cfg):
         raise config_lib.ConfigError("checkpoint.init_from: not supported with train.sync=local_sgd or a "
                                      "compressed train.grad_reduce_dtype yet; start with the defaults")
-    params = source.params(prog.abstract_state["params"], prog.cfg.model)
+    base_abstract, adapter_abstract = split_adapters(prog.abstract_state["params"])
+    params = source.params(base_abstract, prog.cfg.model)
+    if adapter_abstract:
+        params = merge_trees(params, fresh_adapters(prog, adapter_abstract))
     tx = optim.make(prog.cfg)
     make = jax.jit(lambda p: {"params": p, "opt": tx.init(p), "step": jnp.zeros((), jnp.int32)},
                    out_shardings=prog.state_shardings, donate_argnums=0)
     return make(params)
+
+
+def merge_trees(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge_trees(out[k], v) if isinstance(v, dict) and k in out else v
+    return out
+
+
+def fresh_adapters(prog, adapter_abstract: dict) -> dict:
+    """The adapters of the model initialised from train.seed (XLA drops the unused base init)."""
+    import models
+    from flax import nnx
+    cfg = prog.cfg
+    shardings = jax.tree.map(lambda a: a.sharding, adapter_abstract)
+
+    def init():
+        model = models.get(cfg.model.name)(cfg.model, rngs=nnx.Rngs(params=jax.random.key(cfg.train.seed)))
+        adapters = split_adapters(nnx.to_pure_dict(nnx.state(model)))[1]
+        return jax.tree.map(lambda x, a: x.astype(a.dtype), adapters, adapter_abstract)
+    return jax.jit(init, out_shardings=shardings)()
 
 
 def write_run_config(cfg: config_lib.RunConfig, path: Path) -> None:
@@ -198,7 +256,7 @@ def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shar
         dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
     limit = parse_bytes(max_shard_size)
     prog = program_for(run_config_of(source))
-    params = source.params(prog.abstract_state["params"])
+    params = merge_adapters(source.params(prog.abstract_state["params"]), source.model)
     files = hf.export(params, source.model, out_dir, base=base, dtype=dtype, max_shard_bytes=limit,
                       side_files=source.files_dir)
     say(f"exported {source.step_dir or source.path} to {out_dir} ({len(files)} safetensors file"
