@@ -80,7 +80,7 @@ def cmd_generate(args) -> int:
     def on_tokens(tokens_b):  # prints the new text of a single prompt as it comes
         if tokens_b[0] >= 0:
             shown["ids"].append(int(tokens_b[0]))
-            text = gen.decode(shown["ids"])
+            text = gen.decode(shown["ids"]).rstrip("\ufffd")  # a character's bytes may be incomplete yet
             print(text[len(shown["text"]):], end="", flush=True)
             shown["text"] = text
     if stream:
@@ -91,7 +91,7 @@ def cmd_generate(args) -> int:
         if args.json:
             print(json.dumps({"prompt": text, "prompt_ids": ids, "generated_ids": new, "text": gen.decode(new)}))
         elif stream:
-            print()
+            print(gen.decode(new)[len(shown["text"]):])
         else:
             print(text + gen.decode(new))
     return 0
@@ -145,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="one JSON line per prompt: prompt and generated ids, text")
-    g.add_argument("overrides", nargs="*", help="config KEY=VALUEs (mesh.tensor=..., rules.*)")
+    g.add_argument("overrides", nargs="*", help="config KEY=VALUEs before the options (mesh.tensor=..., rules.*)")
     g.set_defaults(func=cmd_generate)
     return p
 

@@ -16,8 +16,8 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardtrain import config as config_lib, mesh as mesh_lib, sharding, step as step_lib, weights
+from shardtrain import config as config_lib
+from shardtrain import mesh as mesh_lib
+from shardtrain import sharding, weights
+from shardtrain import step as step_lib
 
 
 def load_tokenizer(files_dir: Path | None):
@@ -83,7 +86,7 @@ class Generator:
     eos: tuple[int, ...] = ()
 
     @classmethod
-    def from_source(cls, path: str | Path, overrides: Sequence[str] = ()) -> "Generator":
+    def from_source(cls, path: str | Path, overrides: Sequence[str] = ()) -> Generator:
         """Loads a model from an HF directory, import-hf directory, run directory or checkpoint step.
         `overrides` are config KEY=VALUEs (mesh.*, rules.*); by default heads are split over as
         many devices as divide them (tensor parallelism), everything else replicated."""

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np

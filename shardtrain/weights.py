@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
 
-from shardtrain import checkpoint, config as config_lib, hf
+from shardtrain import checkpoint, hf
+from shardtrain import config as config_lib
 
 HF_CONFIG = "hf_config.json"
 """The imported model's original config.json, kept beside the checkpoint for export."""
@@ -164,8 +165,9 @@ def merge_trees(a: dict, b: dict) -> dict:
 
 def fresh_adapters(prog, adapter_abstract: dict) -> dict:
     """The adapters of the model initialised from train.seed (XLA drops the unused base init)."""
-    import models
     from flax import nnx
+
+    import models
     cfg = prog.cfg
     shardings = jax.tree.map(lambda a: a.sharding, adapter_abstract)
 
@@ -196,7 +198,8 @@ def run_config_of(source: Source) -> config_lib.RunConfig:
 
 def program_for(cfg: config_lib.RunConfig):
     """A program on the config's mesh, or on one device when the mesh does not fit those present."""
-    from shardtrain import mesh as mesh_lib, step
+    from shardtrain import mesh as mesh_lib
+    from shardtrain import step
     try:
         return step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     except config_lib.ConfigError:

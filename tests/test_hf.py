@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardtrain import cli, config, generate, hf, mesh as mesh_lib, safetensors_io, sharding, step, weights
+from shardtrain import cli, config, generate, hf, safetensors_io, sharding, step, weights
+from shardtrain import mesh as mesh_lib
 from shardtrain.config import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -69,9 +70,22 @@ def test_greedy_generation_equals_transformers(family):
         assert out[1] == gen.generate([short], 20, stop_at_eos=False)[0]
 
 
+def test_generate_command_json_and_streaming(capsys):
+    ref, _ = reference("llama")
+    args = ["--prompt", ref["prompt"], "--max-new-tokens", "20"]
+    for extra in (["--json"], []):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["generate", str(FIXTURES / "llama"), *([] if extra else ["mesh.tensor=1"]), *args, *extra])
+        assert e.value.code == 0
+    json_out, text_out = capsys.readouterr().out.split("\n", 1)
+    got = json.loads(json_out)
+    assert got["prompt_ids"] == ref["prompt_ids"] and got["generated_ids"] == ref["new_ids"]
+    assert text_out == ref["prompt"] + got["text"] + "\n"
+
+
 def test_sampling_is_seeded_and_top_p_keeps_the_smallest_set_reaching_p():
     logits_bv = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4000, np.float32))
-    draw = lambda top_p, seed: np.asarray(generate.sample(logits_bv, jax.random.key(seed), 1.0, top_p))  # noqa: E731
+    draw = lambda top_p, seed: np.asarray(generate.sample(logits_bv, jax.random.key(seed), 1.0, top_p))
     counts = np.bincount(draw(1.0, 0), minlength=4) / 4000
     assert np.abs(counts - [0.5, 0.3, 0.15, 0.05]).max() < 0.03
     assert set(draw(0.7, 0)) == {0, 1} and set(draw(0.8, 0)) == {0, 1} and set(draw(0.81, 0)) == {0, 1, 2}
@@ -141,36 +155,6 @@ def test_safetensors_writer_reads_back_and_transformers_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_fine_tune_from_import_then_export_matches_our_logits(tmp_path, capsys):
-    """init_from an import-hf directory, a few steps on a 2x2x2 mesh, export: the exported model
-    (read back through the HF path) computes what the trained parameters compute."""
-    weights.import_hf(str(FIXTURES / "llama"), str(tmp_path / "imp"), say=lambda _: None)
-    run = tmp_path / "run"
-    with pytest.raises(SystemExit) as e:
-        cli.main(["train", str(tmp_path / "imp" / "config.yaml"), f"run_dir={run}", "train.steps=3",
-                  "data.seq_len=16", "train.global_batch_size=8", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                  "train.compile_cache=false"])
-    assert e.value.code == 0
-    assert "starting from the weights of" in capsys.readouterr().out
-    weights.export_hf(str(run), str(tmp_path / "exp"), dtype="float32", say=lambda _: None)
-    tokens = np.tile(np.array(reference("llama")[0]["tokens"], np.int32), (2, 1))
-    trained = our_logits(weights.find(run), tokens, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
-    exported = our_logits(weights.find(tmp_path / "exp"), tokens, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
-    original = our_logits(weights.find(FIXTURES / "llama"), tokens, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
-    assert np.abs(trained - exported).max() == 0
-    assert np.abs(trained - original).max() > 1e-3  # training changed the weights
-    try:  # where transformers is installed (not in CI), the exported model runs there too
-        import torch
-        import transformers
-    except ImportError:
-        return
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exp", dtype=torch.float32).eval()
-    with torch.no_grad():
-        theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    assert np.abs(theirs - trained).max() < 1e-4
-
-
-@pytest.mark.slow
 def test_fixtures_match_live_transformers(tmp_path):
     """Remakes the fixtures with transformers and checks the committed ones are what it makes."""
     pytest.importorskip("torch")
@@ -188,10 +172,10 @@ def test_fixtures_match_live_transformers(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_trains_only_adapters_and_export_merges_them(tmp_path):
-    """LoRA from an imported Qwen2 (tied embeddings, qkv bias) on a 2x2x2 mesh: after training only
-    adapter parameters differ from the import, and the merged export computes what the adapted
-    model computes."""
+def test_lora_fine_tune_from_import_then_merged_export(tmp_path, capsys):
+    """`train` with checkpoint.init_from an imported Qwen2 (tied embeddings, qkv bias) and LoRA
+    on a 2x2x2 mesh: after a few steps only adapter parameters differ from the import, and the
+    merged export computes what the adapted model computes (in transformers too, where installed)."""
     weights.import_hf(str(FIXTURES / "qwen2"), str(tmp_path / "imp"), say=lambda _: None)
     run = tmp_path / "run"
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
@@ -201,6 +185,7 @@ def test_lora_trains_only_adapters_and_export_merges_them(tmp_path):
                   "model.lora.rank=4", "model.lora.targets=[q_proj,v_proj,wo_hed,w_up_df]",
                   "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=1"])
     assert e.value.code == 0
+    assert "starting from the weights of" in capsys.readouterr().out
     trained, imported = weights.find(run), weights.find(tmp_path / "imp")
     prog = weights.program_for(weights.run_config_of(trained))
     after = jax.tree.map(np.asarray, trained.params(prog.abstract_state["params"]))
@@ -217,3 +202,12 @@ def test_lora_trains_only_adapters_and_export_merges_them(tmp_path):
     original = our_logits(imported, tokens, mesh)
     assert np.abs(adapted - merged).max() < 1e-4
     assert np.abs(adapted - original).max() > 1e-3
+    try:  # where transformers is installed (not in CI), the exported model runs there too
+        import torch
+        import transformers
+    except ImportError:
+        return
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exp", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.abs(theirs - adapted).max() < 1e-4
