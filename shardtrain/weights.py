@@ -218,7 +218,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     out = Path(out_dir).resolve()
     if checkpoint.scan(str(out / "checkpoints")):
         raise config_lib.ConfigError(f"import-hf: {out} already holds checkpoints; give a new OUT_DIR")
-    cfg = config_lib.load(None, ["mesh.data=-1", f"run_dir={out}", f"checkpoint.init_from={out}",
+    cfg = config_lib.load(None, ["mesh.fsdp=-1", f"run_dir={out}", f"checkpoint.init_from={out}",
                                  "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", *overrides])
     cfg = dataclasses.replace(cfg, model=src.model, name=out.name)
     config_lib.validate(cfg)
@@ -232,6 +232,10 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     shutil.copyfile(src.dir / "config.json", out / HF_CONFIG)
     hf.copy_side_files(src.dir, out)
     n = sum(x.size for x in jax.tree.leaves(params))
+    window = src.hf.get("sliding_window") if src.hf.get("use_sliding_window", True) else None
+    if window:
+        say(f"note: {src.dir}/config.json sets sliding_window={window}; shardtrain attends to the whole "
+            f"context, which matches the model only up to {window} tokens")
     say(f"imported {hf.architecture(src.hf, '')} ({n / 1e6:.2f}M parameters) from {src.dir} to {out} "
         f"in {time.perf_counter() - t0:.1f} s; fine-tune with: shardtrain train {out / 'config.yaml'}")
 
