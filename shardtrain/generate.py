@@ -96,9 +96,8 @@ class Generator:
         cfg = config_lib.load(None, ["run_dir=/tmp/shardtrain-generate", "train.global_batch_size=1",
                                      *mesh_overrides, *overrides])
         cfg = dataclasses.replace(cfg, model=source.model)
-        devices = jax.devices()[:math.prod(mesh_lib.resolve_sizes(cfg.mesh, math.prod(
-            s if s > 0 else 1 for s in cfg.mesh.sizes().values())).values())]
-        mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+        sizes = cfg.mesh.sizes().values()  # a mesh of fewer devices than present uses the first ones
+        mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:math.prod(sizes)] if min(sizes) > 0 else None)
         prog = step_lib.build(cfg, mesh)
         params = source.params(prog.abstract_state["params"])
         constrain = sharding.Constrain(cfg.rules, mesh)
