@@ -89,10 +89,11 @@ class Generator:
     def from_source(cls, path: str | Path, overrides: Sequence[str] = ()) -> Generator:
         """Loads a model from an HF directory, import-hf directory, run directory or checkpoint step.
         `overrides` are config KEY=VALUEs (mesh.*, rules.*); by default heads are split over as
-        many devices as divide them (tensor parallelism), everything else replicated."""
+        many devices as divide them (tensor parallelism), everything else replicated; the prompts
+        are not split (rules.batch=null), so mesh.fsdp > 1 shards only the weights."""
         source = weights.find(path, what="generate")
         n = jax.device_count()
-        mesh_overrides = [f"mesh.tensor={tensor_ways(source.model, n)}", "mesh.data=1"]
+        mesh_overrides = [f"mesh.tensor={tensor_ways(source.model, n)}", "mesh.data=1", "rules.batch=null"]
         cfg = config_lib.load(None, ["run_dir=/tmp/shardtrain-generate", "train.global_batch_size=1",
                                      *mesh_overrides, *overrides])
         cfg = dataclasses.replace(cfg, model=source.model)

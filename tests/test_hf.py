@@ -75,7 +75,8 @@ def test_generate_command_json_and_streaming(capsys):
     args = ["--prompt", ref["prompt"], "--max-new-tokens", "20"]
     for extra in (["--json"], []):
         with pytest.raises(SystemExit) as e:
-            cli.main(["generate", str(FIXTURES / "llama"), *([] if extra else ["mesh.tensor=1"]), *args, *extra])
+            cli.main(["generate", str(FIXTURES / "llama"), *([] if extra else ["mesh.fsdp=4", "mesh.tensor=2"]),
+                      *args, *extra])
         assert e.value.code == 0
     json_out, text_out = capsys.readouterr().out.split("\n", 1)
     got = json.loads(json_out)
@@ -117,6 +118,34 @@ def test_config_json_in_both_rope_forms():
     assert m.rope_theta == 500000.0 and m.rope_scaling == config.RopeScalingConfig(
         type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
     assert hf.model_config(hf.hf_config(m)) == m
+
+
+def test_published_config_files_map_to_our_fields():
+    """config.json of published models (the fields that matter, as on the Hub in 2025)."""
+    llama31_8b = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                  "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                  "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256, "hidden_act": "silu",
+                  "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16", "eos_token_id": [128001, 128008, 128009]}
+    m = hf.model_config(llama31_8b)
+    assert (m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.rope_scaling.factor) == (4096, 32, 8, None, 14336, 8.0)
+    qwen25_7b = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
+                 "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000.0, "sliding_window": 131072, "use_sliding_window": False,
+                 "tie_word_embeddings": False, "vocab_size": 152064, "hidden_act": "silu", "rope_scaling": None}
+    m = hf.model_config(qwen25_7b)
+    assert m.qkv_bias and not m.qk_norm and m.rope_scaling is None and m.head_dim is None
+    qwen3_8b = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288, "head_dim": 128,
+                "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000, "tie_word_embeddings": False, "vocab_size": 151936, "attention_bias": False}
+    assert hf.model_config(qwen3_8b).qk_norm
+    mistral = {"architectures": ["MistralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+               "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+               "rope_theta": 1000000.0, "sliding_window": None, "vocab_size": 32768, "head_dim": 128}
+    assert hf.model_config(mistral).head_dim is None  # 128 = 4096 / 32
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+        hf.model_config({**qwen25_7b, "rope_scaling": {"type": "yarn", "factor": 4.0}})
 
 
 def test_bad_hf_directories_fail_before_any_work(tmp_path):
