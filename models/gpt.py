@@ -162,7 +162,8 @@ class Gpt(nnx.Module):
         self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain), cfg.n_layers, rngs)
         self.final_norm = param(rngs, ones, (cfg.d_model,), (None,))
         if not cfg.tie_embeddings:
-            self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+            self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size),
+                                    ("embed", "vocab"))
 
     def embed(self, tokens_bt):
         x_btd = embed_lookup(self.embedding_vd[...], tokens_bt)

@@ -131,7 +131,8 @@ class Generator:
         positions_bp = np.maximum(np.arange(p)[None, :] - first_b[:, None], 0).astype(np.int32)
         cache_shape = (m.n_layers, b, p + max_new_tokens, m.n_kv_heads, e)
         names = ("layers", "batch", None, "kv_heads", None)
-        cache_sharding = NamedSharding(self.mesh, sharding.spec_for(names, self.cfg.rules, self.mesh, shape=cache_shape))
+        spec = sharding.spec_for(names, self.cfg.rules, self.mesh, shape=cache_shape, what=f"KV cache {cache_shape}")
+        cache_sharding = NamedSharding(self.mesh, spec)
         dtype = step_lib.dtype(self.cfg.train.compute_dtype)
         graphdef, params = nnx.split(self.model)
         static = dict(graphdef=graphdef, cache_shape=cache_shape, dtype=dtype, cache_sharding=cache_sharding,
@@ -158,7 +159,8 @@ class Generator:
         return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_shape", "dtype", "cache_sharding", "temperature", "top_p"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_shape", "dtype", "cache_sharding", "temperature",
+                                             "top_p"))
 def _prefill(params, tokens_bp, positions_bp, first_b, key, *, graphdef, cache_shape, dtype, cache_sharding,
              temperature, top_p):
     """Runs the prompts through the model, filling a fresh cache; samples the first new token."""

@@ -156,8 +156,12 @@ class Entry:
 def tensor_map(m: ModelConfig) -> list[Entry]:
     d, h, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
     e = m.head_dim or d // h
-    same = (lambda a: a)
-    tr = (lambda a: a.T)
+
+    def same(a):
+        return a
+
+    def tr(a):
+        return a.T
 
     def proj(n):  # HF (n*E, D) <-> ours (D, n, E)
         return (lambda a: a.T.reshape(d, n, e)), (lambda a: a.reshape(d, n * e).T)

@@ -63,7 +63,8 @@ def write(path: str | Path, specs: list[tuple[str, tuple, np.dtype]], produce, m
     header, offset = {}, 0
     for name, shape, dtype in specs:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     if metadata:
         header = {"__metadata__": metadata, **header}

@@ -78,7 +78,8 @@ def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
         step_dir = Path(str(committed[-1].path))
     meta = checkpoint.read_meta(step_dir)
     if not meta or "config" not in meta:
-        raise config_lib.ConfigError(f"{what}: {step_dir} has no readable meta/metadata (is it a shardtrain checkpoint?)")
+        raise config_lib.ConfigError(f"{what}: {step_dir} has no readable meta/metadata "
+                                     "(is it a shardtrain checkpoint?)")
     cfg = meta["config"]
     run_dir = step_dir.parent.parent
     files_dir = None
@@ -95,7 +96,8 @@ def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     saved = ckptr.metadata(step_dir / "state")
     saved = getattr(saved, "item_metadata", saved)
     saved = getattr(saved, "tree", saved)
-    bad = checkpoint.mismatches(checkpoint.leaf_shapes(saved.get("params", {})), checkpoint.leaf_shapes(abstract_params))
+    bad = checkpoint.mismatches(checkpoint.leaf_shapes(saved.get("params", {})),
+                                checkpoint.leaf_shapes(abstract_params))
     if bad:
         raise config_lib.ConfigError(f"{step_dir}: the checkpoint's parameters do not fit this model "
                                      f"({len(bad)} paths): " + "; ".join(bad[:8]))

@@ -86,7 +86,9 @@ def test_generate_command_json_and_streaming(capsys):
 
 def test_sampling_is_seeded_and_top_p_keeps_the_smallest_set_reaching_p():
     logits_bv = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4000, np.float32))
-    draw = lambda top_p, seed: np.asarray(generate.sample(logits_bv, jax.random.key(seed), 1.0, top_p))
+
+    def draw(top_p, seed):
+        return np.asarray(generate.sample(logits_bv, jax.random.key(seed), 1.0, top_p))
     counts = np.bincount(draw(1.0, 0), minlength=4) / 4000
     assert np.abs(counts - [0.5, 0.3, 0.15, 0.05]).max() < 0.03
     assert set(draw(0.7, 0)) == {0, 1} and set(draw(0.8, 0)) == {0, 1} and set(draw(0.81, 0)) == {0, 1, 2}
@@ -127,9 +129,11 @@ def test_published_config_files_map_to_our_fields():
                   "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 8192, "rope_type": "llama3"},
                   "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256, "hidden_act": "silu",
-                  "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16", "eos_token_id": [128001, 128008, 128009]}
+                  "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
+                  "eos_token_id": [128001, 128008, 128009]}
     m = hf.model_config(llama31_8b)
-    assert (m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.rope_scaling.factor) == (4096, 32, 8, None, 14336, 8.0)
+    assert (m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff) == (4096, 32, 8, None, 14336)
+    assert m.rope_scaling.factor == 8.0 and m.rope_theta == 500000.0
     qwen25_7b = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
                  "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
                  "rope_theta": 1000000.0, "sliding_window": 131072, "use_sliding_window": False,
