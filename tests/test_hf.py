@@ -174,6 +174,12 @@ def test_bad_hf_directories_fail_before_any_work(tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["import-hf", str(d), str(tmp_path / "out")])
     assert e.value.code == 2 and not (tmp_path / "out").exists()
+    source = weights.find(FIXTURES / "llama")  # checkpoint.init_from an HF dir with another model config
+    cfg = config.load(None, [f"run_dir={tmp_path / 'run'}", "train.global_batch_size=8"])
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(source.model, d_ff=96))
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
+    with pytest.raises(ConfigError, match=r"gate_proj.weight: weights \(64, 32\), the model config implies \(96, 32\)"):
+        weights.initial_state(prog, source)
 
 
 def test_safetensors_writer_reads_back_and_transformers_layout(tmp_path):
