@@ -409,6 +409,9 @@ def validate(cfg: RunConfig) -> None:
                               f"{', '.join(LORA_TARGETS)} (or {', '.join(LORA_TARGETS.values())})")
     if m.lora.rank < 0:
         raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {m.lora.rank}")
+    if m.lora.rank > 0 and (t.sync != "every_step" or t.grad_reduce_dtype != "float32"):
+        raise ConfigError("model.lora.rank > 0 needs train.sync=every_step and train.grad_reduce_dtype=float32 "
+                          "(LoRA with local SGD or compressed gradients is not supported yet)")
     if str(cfg.run_dir).startswith("gs://"):
         raise ConfigError(f"run_dir={cfg.run_dir}: must be a local directory (metrics, plots); put "
                           "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")
