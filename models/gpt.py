@@ -138,9 +138,12 @@ class Block(nnx.Module):
         out_btd = dense(jax.nn.silu(gate_btf) * up_btf, self.weight("w_down_fd"))
         return c(x_btd + out_btd, ("batch", "seq", None))
 
-    def __call__(self, x_btd):
-        q_bthe, k_btke, v_btke = self.qkv(x_btd)
-        return self.finish(x_btd, jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True))
+    def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
+        q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
+        # causal, and with segment ids only within a document: (B, 1, T, T) broadcast over heads
+        seg_bt = segment_ids_bt
+        same_b1tt = None if seg_bt is None else seg_bt[:, None, :, None] == seg_bt[:, None, None, :]
+        return self.finish(x_btd, jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=same_b1tt, is_causal=True))
 
     def decode(self, x_btd, k_bske, v_bske, slot, positions_bt, first_b):
         """The block for T new tokens written at cache slots slot..slot+T-1 (positions_bt their
