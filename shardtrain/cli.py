@@ -22,6 +22,21 @@ def simulated_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def skip_absent_tpu() -> None:
+    """With libtpu installed (the `tpu` extra, for planning) but no TPU here, jax would try to start a
+    TPU backend, print libtpu's warnings, and hold its lockfile so that compiling for a TPU topology
+    fails; ask for the CPU instead. Must run before jax is imported; JAX_PLATFORMS set by the user wins,
+    and machines with a TPU or a CUDA plugin are left alone."""
+    import importlib.util
+
+    from shardtrain import topology
+    if "JAX_PLATFORMS" in os.environ or topology.tpu_present() or importlib.util.find_spec("libtpu") is None:
+        return
+    if importlib.util.find_spec("jax_cuda12_plugin") or importlib.util.find_spec("jax_cuda13_plugin"):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def mesh_devices(cfg: config_lib.RunConfig) -> int:
     """The device count a mesh asks for (the default when one axis is -1)."""
     sizes = cfg.mesh.sizes().values()
@@ -138,7 +153,11 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
     pl.add_argument("--devices", type=int, help="device count to plan for (default: the mesh's product)")
-    pl.add_argument("--chip", default=None, help="chip for the roofline estimate: v4, v5e, v5p, v6e, a100, h100, h200, cpu")
+    pl.add_argument("--chip", default=None, help="chip to plan for: v4, v5e, v5p, v6e, a100, h100, h200, cpu "
+                    "(default: the config's hardware.chip, else the devices present)")
+    pl.add_argument("--topology", default=None, help="TPU chips per dimension, e.g. 16x16: compile with the TPU "
+                    "compiler for that slice (needs libtpu; default: the config's hardware.topology)")
+    pl.add_argument("--slices", type=int, default=None, help="with --topology: TPU slices joined over DCN")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices")
     pl.add_argument("--write", metavar="YAML", help="with --search: write the best mesh as a config")
@@ -187,7 +206,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)  # overrides may also follow the flags: plan X --chip v5e k=v
+    if extra and (not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    skip_absent_tpu()
     try:
         code = args.func(args)
     except config_lib.ConfigError as e:

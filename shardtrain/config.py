@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import tempfile
 import types
@@ -250,6 +251,19 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class HardwareConfig:
+    """The hardware a config is made for. `shardtrain plan` plans for it when no --chip / --topology
+    is given: for a TPU topology with the TPU compiler itself (libtpu), else on the devices present."""
+
+    chip: Optional[str] = None
+    """A chip of shardtrain/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, cpu); None: the devices present."""
+    topology: Optional[str] = None
+    """TPU chips per dimension of one slice, e.g. "16x16" (v5e-256) or "4x4x8" (v5p-256); None for GPUs and cpu."""
+    slices: int = 1
+    """TPU slices of `topology` joined over DCN (multi-slice); the product of mesh.dcn equals it."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     rules: RulesConfig = field(default_factory=RulesConfig)
@@ -258,6 +272,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run_dir: Optional[str] = None
     """Where metrics, plots, the resolved config and checkpoints go. Default: runs/<config name>."""
     name: str = "run"
@@ -502,12 +517,38 @@ def validate(cfg: RunConfig) -> None:
     for axis in t.sync_axes:
         if axis not in MESH_AXES:
             raise ConfigError(f"train.sync_axes: unknown mesh axis '{axis}'; mesh axes: {', '.join(MESH_AXES)}")
+    validate_hardware(cfg)
     for logical in dataclasses.fields(RulesConfig):
         rule = getattr(cfg.rules, logical.name)
         for axis in (rule,) if isinstance(rule, str) else rule or ():
             if axis not in MESH_AXES:
                 raise ConfigError(f"rules.{logical.name}: unknown mesh axis '{axis}'; "
                                   f"mesh axes: {', '.join(MESH_AXES)}")
+
+
+def validate_hardware(cfg: RunConfig) -> None:
+    from shardtrain.chips import CHIPS  # figures only: imports nothing from shardtrain
+
+    hw = cfg.hardware
+    if hw.chip is not None and hw.chip not in CHIPS:
+        close = difflib.get_close_matches(hw.chip, CHIPS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"hardware.chip: unknown chip '{hw.chip}'{hint}; known: {', '.join(CHIPS)}")
+    if hw.slices < 1:
+        raise ConfigError(f"hardware.slices: must be >= 1, got {hw.slices}")
+    if hw.topology is None:
+        if hw.slices > 1:
+            raise ConfigError("hardware.slices > 1 needs hardware.topology (the chips of one slice, e.g. 4x4x8)")
+        return
+    if hw.chip is None or CHIPS[hw.chip].tpu_name is None:
+        raise ConfigError(f"hardware.topology={hw.topology}: needs hardware.chip to name a TPU (v4, v5e, v5p, v6e)")
+    dims = hw.topology.split("x")
+    if not 2 <= len(dims) <= 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ConfigError(f"hardware.topology={hw.topology!r}: expected chips per dimension, e.g. 16x16 or 4x4x8")
+    dcn = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
+    if dcn > 1 and dcn != hw.slices:
+        raise ConfigError(f"mesh.dcn: its product {dcn} must equal hardware.slices={hw.slices} "
+                          "(the DCN axes run across the slices)")
 
 
 def validate_optimizer(o: OptimizerConfig) -> None:
