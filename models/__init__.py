@@ -14,10 +14,13 @@ from flax import nnx
 MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
 
 
+class UnknownModel(ValueError):
+    """`get` was asked for a name not in MODELS (the trainer turns it into its config error)."""
+
+
 def get(name: str):
-    from shardtrain.config import ConfigError
     if name not in MODELS:
-        raise ConfigError(f"model.name: unknown model '{name}'; known: {', '.join(MODELS)}")
+        raise UnknownModel(f"model.name: unknown model '{name}'; known: {', '.join(MODELS)}")
     module, cls = MODELS[name].split(":")
     return getattr(importlib.import_module(module), cls)
 

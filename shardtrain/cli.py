@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -22,9 +21,8 @@ def simulated_devices(n: int) -> None:
 
 
 def mesh_devices(cfg: config_lib.RunConfig) -> int:
-    """The device count a mesh asks for (the default when one axis is -1)."""
-    sizes = cfg.mesh.sizes().values()
-    return math.prod(sizes) if all(s > 0 for s in sizes) else DEFAULT_CPU_DEVICES
+    """The device count a mesh asks for (the CLI's default when one axis is -1)."""
+    return cfg.mesh.device_count(DEFAULT_CPU_DEVICES)
 
 
 def cmd_train(args) -> int:
@@ -42,9 +40,15 @@ def cmd_train(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
-    simulated_devices(args.devices or mesh_devices(cfg))
+    if args.write and not args.search:
+        raise config_lib.ConfigError("--write needs --search (it writes the best mesh found)")
+    n_devices = args.devices or mesh_devices(cfg)
+    simulated_devices(n_devices)
+    if args.search:
+        from shardtrain import search
+        return search.main(cfg, n_devices, args.chip, args.memory_limit, as_json=args.json, write=args.write)
     from shardtrain import plan
-    return plan.main(cfg, args)
+    return plan.main(cfg, n_devices, args.chip, args.memory_limit, as_json=args.json)
 
 
 def cmd_ckpt(args) -> int:

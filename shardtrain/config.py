@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -56,6 +57,11 @@ class MeshConfig:
 
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) * getattr(self.dcn, a) for a in MESH_AXES}
+
+    def device_count(self, default: int) -> int:
+        """The device count this mesh asks for, or `default` when one axis is -1 (any count)."""
+        sizes = self.sizes().values()
+        return math.prod(sizes) if all(s > 0 for s in sizes) else default
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from shardtrain import sharding
+from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
 
 AXIS = "pipeline"
@@ -87,7 +88,6 @@ def bubble_fraction(cfg: RunConfig, mesh: Mesh) -> float:
 
 def runner(cfg: RunConfig, mesh: Mesh):
     """`run_blocks(blocks, x_btd) -> x_btd`: the stacked blocks as a pipeline over `pipeline`."""
-    from shardtrain.step import scan_runner  # step imports this module lazily
     stages, v, m_count = check(cfg, mesh)
     group = cfg.model.n_layers // (stages * v)
     run_group = scan_runner(cfg)

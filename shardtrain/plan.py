@@ -233,28 +233,10 @@ def format_report(r: dict) -> str:
 # ----------------------------------------------------------------------------- entry point
 
 
-def main(cfg: RunConfig, args) -> int:
-    n = args.devices or cli_devices(cfg)
-    devices = plan_devices(n)
-    chip = pick_chip(args.chip, devices, getattr(args, "memory_limit", None))
-    if args.search:
-        from shardtrain import search
-        result = search.search(cfg, devices, chip)
-        if args.json:
-            print(json.dumps(result, indent=1, default=float))
-        else:
-            print(search.format_table(result))
-        if args.write:
-            search.write_best(cfg, result, args.write)
-            print(f"wrote {args.write}", file=sys.stderr)
-        return 0
-    if args.write:
-        raise ConfigError("--write needs --search (it writes the best mesh found)")
-    r = plan_one(cfg, devices, chip)
-    print(json.dumps(r, indent=1, default=float) if args.json else format_report(r))
+def main(cfg: RunConfig, n_devices: int, chip: str | None = None, memory_limit: float | None = None,
+         as_json: bool = False) -> int:
+    """`shardtrain plan`: prints the plan of cfg's mesh on `n_devices` devices (--search: search.main)."""
+    devices = plan_devices(n_devices)
+    r = plan_one(cfg, devices, pick_chip(chip, devices, memory_limit))
+    print(json.dumps(r, indent=1, default=float) if as_json else format_report(r))
     return 0
-
-
-def cli_devices(cfg: RunConfig) -> int:
-    from shardtrain.cli import mesh_devices
-    return mesh_devices(cfg)

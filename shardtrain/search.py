@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -195,3 +196,15 @@ def write_best(cfg: RunConfig, result: dict, path: str) -> None:
     Path(path).write_text(f"# Written by `shardtrain plan --search` ({result['devices']} devices, {result['chip']}): "
                           f"estimated {best['report']['estimate']['step_time_s'] * 1e3:.2f} ms/step\n"
                           + yaml.safe_dump(tree, sort_keys=False))
+
+
+def main(cfg: RunConfig, n_devices: int, chip: str | None = None, memory_limit: float | None = None,
+         as_json: bool = False, write: str | None = None) -> int:
+    """`shardtrain plan --search`: prints the ranked meshes of `n_devices` devices; `write`: the best as a config."""
+    devices = plan.plan_devices(n_devices)
+    result = search(cfg, devices, plan.pick_chip(chip, devices, memory_limit))
+    print(json.dumps(result, indent=1, default=float) if as_json else format_table(result))
+    if write:
+        write_best(cfg, result, write)
+        print(f"wrote {write}", file=sys.stderr)
+    return 0

@@ -20,15 +20,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
-from shardtrain import comm, optim, sharding
-from shardtrain.config import RunConfig
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
-
+from shardtrain import comm, optim, pipeline, sharding
+from shardtrain.blocks import scan_runner
+from shardtrain.config import ConfigError, RunConfig
 
 @dataclasses.dataclass
 class Program:
@@ -68,16 +62,17 @@ def dtype(name: str):
     return jnp.dtype(name)
 
 
+def model_class(cfg: RunConfig):
+    """The model class that model.name names (ConfigError for an unknown name)."""
+    try:
+        return models.get(cfg.model.name)
+    except models.UnknownModel as e:
+        raise ConfigError(str(e)) from None
+
+
 def abstract_model(cfg: RunConfig, constrain=models.no_constraint):
-    cls = models.get(cfg.model.name)
+    cls = model_class(cfg)
     return nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0), constrain=constrain))
-
-
-def scan_runner(cfg: RunConfig) -> Callable:
-    """Runs the stacked blocks with lax.scan, each layer rematerialised by the configured policy."""
-    policy = REMAT_POLICIES.get(cfg.train.remat)
-    wrap = (lambda f: jax.checkpoint(f, policy=policy)) if policy else (lambda f: f)
-    return lambda blocks, x: models.scan_blocks(blocks, x, wrap=wrap)
 
 
 def cross_entropy(logits_btv, targets_bt):
@@ -87,7 +82,6 @@ def cross_entropy(logits_btv, targets_bt):
 def build(cfg: RunConfig, mesh: Mesh) -> Program:
     run_blocks = scan_runner(cfg)
     if mesh.shape["pipeline"] > 1:
-        from shardtrain import pipeline
         run_blocks = pipeline.runner(cfg, mesh)  # first: its errors name layers, stages, repeats
 
     constrain = sharding.Constrain(cfg.rules, mesh)
@@ -112,7 +106,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
                                    "step": jax.ShapeDtypeStruct((), jnp.int32)}, state_shardings)
 
     def init(seed):
-        cls = models.get(cfg.model.name)
+        cls = model_class(cfg)
         params = nnx.to_pure_dict(nnx.split(cls(cfg.model, rngs=nnx.Rngs(params=seed)))[1])
         params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardtrain import config, loop, mesh as mesh_lib, pipeline, step as step_lib
+from shardtrain import blocks, config, loop, mesh as mesh_lib, pipeline, step as step_lib
 from shardtrain.config import ConfigError
 
 
@@ -41,7 +41,7 @@ def make_reference(model):
     cfg, _, prog = setup(model, n_devices=1)
     params = jax.device_get(prog.init(0)["params"])
     tokens_bt = np.asarray(jax.random.randint(jax.random.key(1), (32, 17), 0, cfg.model.vocab_size))
-    [(loss, grads)] = loss_and_grads(prog, params, tokens_bt, [step_lib.scan_runner(cfg)])
+    [(loss, grads)] = loss_and_grads(prog, params, tokens_bt, [blocks.scan_runner(cfg)])
     return params, tokens_bt, float(loss), jax.device_get(grads)
 
 

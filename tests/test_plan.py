@@ -1,7 +1,6 @@
 """`shardtrain plan`: per-device bytes and collectives against analytical values, agreement with
 the compiled train step, --search, bad input."""
 
-import argparse
 import functools
 import json
 import math
@@ -88,8 +87,7 @@ def test_fsdp_gathers_parameters_and_reduce_scatters_gradients(model):
 def test_plan_json_equals_the_compiled_train_step(cfg_factory, capsys):
     overrides = [*SMALL, "model.name=gpt", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
     cfg = cfg_factory(*overrides)
-    args = argparse.Namespace(devices=None, chip="h100", json=True, search=False, write=None, memory_limit=None)
-    assert plan.main(cfg, args) == 0
+    assert plan.main(cfg, 8, "h100", as_json=True) == 0
     r = json.loads(capsys.readouterr().out)
     compiled = step.build(cfg, mesh_lib.make_mesh(cfg.mesh)).lower().compile()
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
