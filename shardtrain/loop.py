@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -41,17 +42,13 @@ class Preemption:
 
 def train(cfg: config_lib.RunConfig) -> int:
     """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
-    Raises checkpoint.SaveFailed (after closing what it opened) if a checkpoint save fails."""
-    opened = []
-    try:
+    Closes everything it opened on every exit path; a failed checkpoint save raises
+    checkpoint.SaveFailed."""
+    with contextlib.ExitStack() as opened:
         return _train(cfg, opened)
-    except checkpoint.SaveFailed:
-        for thing in reversed(opened):
-            thing.close()
-        raise
 
 
-def _train(cfg: config_lib.RunConfig, opened: list) -> int:
+def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
     dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
@@ -64,10 +61,10 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
               f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; compiling...", flush=True)
 
     preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
+    opened.callback(preemption.close)
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
-    ckpt = checkpoint.Checkpointer(prog)
-    opened += [preemption, ckpt]
+    ckpt = opened.enter_context(contextlib.closing(checkpoint.Checkpointer(prog)))
     restored = ckpt.restore_latest(say=lambda text: is_main and print(text, flush=True))
     if restored is None:
         state, start = prog.init(cfg.train.seed), 0
@@ -80,8 +77,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     if is_main:
         print(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}", flush=True)
 
-    metrics = Metrics(cfg, n_params, start)
-    opened.append(metrics)
+    metrics = opened.enter_context(contextlib.closing(Metrics(cfg, n_params, start)))
     if start > 0:
         metrics.event("resume", step=start)
     rows = prog.local_rows()
@@ -125,9 +121,6 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
         ckpt.check()  # a failed async save raises checkpoint.SaveFailed at the next step boundary
     finish_pending()
     ckpt.wait()
-    ckpt.close()
-    metrics.close()
-    preemption.close()
     return exit_code
 
 

@@ -6,7 +6,6 @@ import re
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from shardtrain import blocks, config, loop, mesh as mesh_lib, pipeline, step as step_lib
 from shardtrain.config import ConfigError
@@ -23,17 +22,13 @@ def setup(model, *overrides, n_devices=8):
 
 
 def loss_and_grads(prog, params, tokens_bt, runners):
-    """[(loss, grads)] of the train step's loss (embed -> blocks runner -> head) for each blocks
-    runner, all in one jitted function on prog's mesh (one compile for several schedules)."""
-    def loss_fn(params, tokens_bt, run_blocks):
-        model = nnx.merge(prog.graphdef, params)
-        x_btd = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
-        return step_lib.cross_entropy(model.head(x_btd), tokens_bt[:, 1:])
-
+    """[(loss, grads)] of the train step's loss (`step.loss_fn`) with each blocks runner, all in one
+    jitted function on prog's mesh (one compile for several schedules)."""
+    losses = [step_lib.loss_fn(prog.cfg, prog.graphdef, run_blocks) for run_blocks in runners]
     params = jax.device_put(params, prog.state_shardings["params"])
     tokens_bt = jax.device_put(tokens_bt, prog.batch_sharding)
     with jax.set_mesh(prog.mesh):
-        return jax.jit(lambda p, t: [jax.value_and_grad(loss_fn)(p, t, r) for r in runners])(params, tokens_bt)
+        return jax.jit(lambda p, t: [jax.value_and_grad(loss)(p, t) for loss in losses])(params, tokens_bt)
 
 
 def make_reference(model):
