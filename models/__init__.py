@@ -13,6 +13,11 @@ from flax import nnx
 
 MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
 
+# Logical names of every dimension of the activations models constrain (the rules map each to mesh axes).
+BTD = ("batch", "seq", "activation_embed")
+BTF = ("batch", "seq", "mlp")
+BTV = ("batch", "seq", "vocab")
+
 
 class UnknownModel(ValueError):
     """`get` was asked for a name not in MODELS (the trainer turns it into its config error)."""

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import dense, embed_lookup, no_constraint, param, scan_blocks, stacked
+from models import BTD, BTF, BTV, dense, embed_lookup, no_constraint, param, scan_blocks, stacked
 
 normal = nnx.initializers.normal
 ones = nnx.initializers.ones
+BTHE = ("batch", "seq", "heads", "activation_head_dim")
+BTKE = ("batch", "seq", "kv_heads", "activation_head_dim")
 
 
 def rms_norm(x, scale, eps=1e-6):
@@ -48,16 +50,16 @@ class Block(nnx.Module):
     def __call__(self, x_btd):
         c = self.constrain
         h_btd = rms_norm(x_btd, self.attn_norm[...])
-        q_bthe = c(rotary(dense(h_btd, self.wq_dhe[...]), self.theta), ("batch", "seq", "heads", None))
-        k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta), ("batch", "seq", "kv_heads", None))
-        v_btke = c(dense(h_btd, self.wv_dke[...]), ("batch", "seq", "kv_heads", None))
+        q_bthe = c(rotary(dense(h_btd, self.wq_dhe[...]), self.theta), BTHE)
+        k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta), BTKE)
+        v_btke = c(dense(h_btd, self.wv_dke[...]), BTKE)
         o_bthe = jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True)
-        x_btd = c(x_btd + dense(o_bthe, self.wo_hed[...], n_in=2), ("batch", "seq", None))
+        x_btd = c(x_btd + dense(o_bthe, self.wo_hed[...], n_in=2), BTD)
         h_btd = rms_norm(x_btd, self.mlp_norm[...])
-        gate_btf = c(dense(h_btd, self.w_gate_df[...]), ("batch", "seq", "mlp"))
-        up_btf = c(dense(h_btd, self.w_up_df[...]), ("batch", "seq", "mlp"))
+        gate_btf = c(dense(h_btd, self.w_gate_df[...]), BTF)
+        up_btf = c(dense(h_btd, self.w_up_df[...]), BTF)
         out_btd = dense(jax.nn.silu(gate_btf) * up_btf, self.w_down_fd[...])
-        return c(x_btd + out_btd, ("batch", "seq", None))
+        return c(x_btd + out_btd, BTD)
 
 
 class Gpt(nnx.Module):
@@ -70,11 +72,11 @@ class Gpt(nnx.Module):
 
     def embed(self, tokens_bt):
         x_btd = embed_lookup(self.embedding_vd[...], tokens_bt)
-        return self.constrain(x_btd, ("batch", "seq", None))
+        return self.constrain(x_btd, BTD)
 
     def head(self, x_btd):
         logits_btv = dense(rms_norm(x_btd, self.final_norm[...]), self.unembed_dv[...])
-        return self.constrain(logits_btv, ("batch", "seq", "vocab"))
+        return self.constrain(logits_btv, BTV)
 
     def __call__(self, tokens_bt):
         return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))

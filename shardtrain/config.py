@@ -67,7 +67,9 @@ class MeshConfig:
 @dataclass(frozen=True)
 class RulesConfig:
     """Logical axis -> mesh axis (a name, a list of names, or null for replicated). One row per
-    logical name; models use only these names."""
+    logical name; models use only these names, for parameters and activations alike (the
+    `activation_*` rows name activation dimensions that no parameter has, so sharding them is a
+    rules change, not a model edit)."""
 
     batch: AxisRule = ("data", "fsdp")
     embed: AxisRule = "fsdp"
@@ -77,6 +79,10 @@ class RulesConfig:
     vocab: AxisRule = "tensor"
     layers: AxisRule = "pipeline"
     seq: AxisRule = None
+    activation_embed: AxisRule = None
+    """The model dimension of activations (the residual stream x_btd); null: whole on every device."""
+    activation_head_dim: AxisRule = None
+    """The per-head dimension of attention activations (q, k, v)."""
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def named(mesh: Mesh, specs: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Constrain:
-    """Activation sharding constraint by logical names: `constrain(x_btd, ("batch", "seq", None))`.
+    """Activation sharding constraint by logical names: `constrain(x_btd, ("batch", "seq", "activation_embed"))`.
 
     Built by the trainer from the rules and mesh and handed to the model; the default
     (`mesh=None`) does nothing, so models also run unsharded.

@@ -60,6 +60,18 @@ def test_remat_policies_keep_the_numbers(reference, policy):
     assert rel_diff(params, reference["gpt"][1]) <= 1e-5
 
 
+def test_activation_sharding_is_a_rules_change(reference):
+    """The residual stream's model dimension is a logical name: sharding it is one rules row."""
+    overrides = [*SMALL, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    clash = config.load(None, [*overrides, "rules.activation_embed=data"])  # data already shards the batch
+    prog = step.build(clash, mesh_lib.make_mesh(clash.mesh))
+    with pytest.raises(config.ConfigError, match="activation .*'activation_embed'"):
+        prog.step.trace(prog.abstract_state, prog.abstract_batch())
+    loss, params = one_step(config.load(None, [*overrides, "rules.activation_embed=tensor"]))
+    assert abs(loss - reference["gpt"][0]) <= 1e-5 * reference["gpt"][0]
+    assert rel_diff(params, reference["gpt"][1]) <= 1e-5
+
+
 def test_bf16_compute_stays_close(reference):
     loss, _ = one_step(config.load(None, [*SMALL, "train.compute_dtype=bfloat16", "mesh.data=8"]))
     assert abs(loss - reference["gpt"][0]) <= 2e-2 * reference["gpt"][0]
