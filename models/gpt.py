@@ -80,3 +80,9 @@ class Gpt(nnx.Module):
 
     def __call__(self, tokens_bt):
         return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))
+
+    @staticmethod
+    def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention's scores
+        and values, 12 L T D."""
+        return 6 * n_params + 12 * cfg.n_layers * seq_len * cfg.d_model

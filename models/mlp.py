@@ -6,7 +6,6 @@ Shapes: B batch, T sequence, D d_model, F d_ff, V vocab, L layers.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from models import BTD, BTF, BTV, dense, embed_lookup, no_constraint, param, scan_blocks, stacked
@@ -40,3 +39,8 @@ class Mlp(nnx.Module):
 
     def __call__(self, tokens_bt):
         return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))
+
+    @staticmethod
+    def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls, forward + backward (no attention)."""
+        return 6 * n_params

@@ -120,8 +120,9 @@ def lower_writer_priority(niceness: int) -> None:
         return
     for task in tasks.iterdir():
         try:
-            if (task / "comm").read_text().strip() == WRITER_THREAD and os.getpriority(os.PRIO_PROCESS, int(task.name)) < niceness:
-                os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+            tid = int(task.name)
+            if (task / "comm").read_text().strip() == WRITER_THREAD and os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
         except OSError:  # the thread has ended
             pass
 

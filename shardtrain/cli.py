@@ -8,7 +8,6 @@ import sys
 
 from shardtrain import config as config_lib, distributed
 
-
 DEFAULT_CPU_DEVICES = 8
 
 
@@ -75,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
     pl.add_argument("--devices", type=int, help="device count to plan for (default: the mesh's product)")
-    pl.add_argument("--chip", default=None, help="chip for the roofline estimate: v4, v5e, v5p, v6e, a100, h100, h200, cpu")
+    pl.add_argument("--chip", default=None,
+                    help="chip for the roofline estimate: v4, v5e, v5p, v6e, a100, h100, h200, cpu")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices")
     pl.add_argument("--write", metavar="YAML", help="with --search: write the best mesh as a config")

@@ -28,6 +28,11 @@ MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
 AxisRule = Optional[str | tuple[str, ...]]
 
 
+def mesh_axes(rule: AxisRule) -> tuple[str, ...]:
+    """A rule (or a PartitionSpec entry) as a tuple of mesh axes: null -> (), "fsdp" -> ("fsdp",)."""
+    return (rule,) if isinstance(rule, str) else tuple(rule or ())
+
+
 @dataclass(frozen=True)
 class DcnConfig:
     """Sizes of each mesh axis across slices / hosts (the slow network); the ICI sizes in `mesh`
@@ -343,7 +348,7 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"train.sync_axes: unknown mesh axis '{axis}'; mesh axes: {', '.join(MESH_AXES)}")
     for logical in dataclasses.fields(RulesConfig):
         rule = getattr(cfg.rules, logical.name)
-        for axis in (rule,) if isinstance(rule, str) else rule or ():
+        for axis in mesh_axes(rule):
             if axis not in MESH_AXES:
                 raise ConfigError(f"rules.{logical.name}: unknown mesh axis '{axis}'; "
                                   f"mesh axes: {', '.join(MESH_AXES)}")

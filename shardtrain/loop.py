@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 import time
 from pathlib import Path
@@ -52,7 +51,7 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
     dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
+    n_params = prog.param_count()
     is_main = jax.process_index() == 0
     if is_main:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
@@ -77,7 +76,7 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
     if is_main:
         print(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}", flush=True)
 
-    metrics = opened.enter_context(contextlib.closing(Metrics(cfg, n_params, start)))
+    metrics = opened.enter_context(contextlib.closing(Metrics(cfg, prog.flops_per_token(), start)))
     if start > 0:
         metrics.event("resume", step=start)
     rows = prog.local_rows()

@@ -41,11 +41,8 @@ def _repeats(cfg: RunConfig) -> int:
 
 def _rows_per_replica(cfg: RunConfig, mesh: Mesh) -> int:
     """Rows of one gradient-accumulation chunk held by one data-parallel replica (batch ways)."""
-    axes = sharding.spec_for(("batch",), cfg.rules, mesh)[0] or ()
-    ways = 1
-    for axis in (axes,) if isinstance(axes, str) else axes:
-        ways *= mesh.shape[axis]
-    return cfg.train.global_batch_size // cfg.train.grad_accum_steps // max(ways, 1)
+    ways = sharding.axes_size(mesh, sharding.spec_for(("batch",), cfg.rules, mesh)[0])
+    return cfg.train.global_batch_size // cfg.train.grad_accum_steps // ways
 
 
 def microbatches(cfg: RunConfig, mesh: Mesh) -> int:

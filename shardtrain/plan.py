@@ -22,15 +22,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 
 import jax
 
-from shardtrain import chips as chips_lib, comm, hlo, mesh as mesh_lib, step as step_lib
+from shardtrain import chips as chips_lib, comm, hlo, mesh as mesh_lib, sharding, step as step_lib
 from shardtrain.config import MESH_AXES, ConfigError, RunConfig
-from shardtrain.metrics import model_flops_per_token
-
 
 # ----------------------------------------------------------------------------- chips and devices
 
@@ -68,12 +65,6 @@ def plan_devices(n: int) -> list:
 
 
 # ----------------------------------------------------------------------------- one mesh
-
-
-def shard_bytes(tree) -> int:
-    """Bytes per device of a tree of ShapeDtypeStructs with shardings (every device holds the same
-    amount, since every sharded dimension divides)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def bubble_fraction(cfg: RunConfig, stages: int) -> float | None:
@@ -114,9 +105,9 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     n = mesh.devices.size
     chip_dev = per_device(chip, n)
     params = prog.abstract_state["params"]
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    n_params = prog.param_count()
     mem = compiled.memory_analysis()
-    params_b, batch_b = shard_bytes(params), shard_bytes(prog.abstract_batch())
+    params_b, batch_b = sharding.shard_bytes(params), sharding.shard_bytes(prog.abstract_batch())
     total_b = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -126,13 +117,14 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
     colls = hlo.collectives(text, dict(mesh.shape))
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    flops_token = model_flops_per_token(cfg, n_params)
+    flops_token = prog.flops_per_token()
     dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1}
     stages = mesh.shape["pipeline"]
     return {
         "config": cfg.name, "model": cfg.model.name, "devices": n, "chip": chip.name,
         "mesh": {a: int(s) for a, s in mesh.shape.items()},
-        "params": {"count": n_params, "bytes": sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))},
+        "params": {"count": n_params,
+                   "bytes": sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))},
         "memory_per_device_bytes": {
             "params": params_b, "optimizer": mem.argument_size_in_bytes - params_b - batch_b, "batch": batch_b,
             "temp": mem.temp_size_in_bytes, "total": total_b},

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, step as step_lib
+from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, sharding, step as step_lib
 from shardtrain.config import ConfigError, MeshConfig, RunConfig, dump, validate
 
 
@@ -91,7 +91,7 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
             except Exception as e:  # e.g. a pipeline module missing or failing: report, go on
                 rows.append(Row(sizes, m, f"not built: {type(e).__name__}: {str(e)[:200]}"))
                 continue
-            state = plan.shard_bytes(prog.abstract_state)
+            state = sharding.shard_bytes(prog.abstract_state)
             row = Row(sizes, m, "ranked", state_bytes=state)
             rows.append(row)
             if state > limit:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +50,13 @@ class Program:
         t = self.cfg.train
         return jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
                                     sharding=self.batch_sharding)
+
+    def param_count(self) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_state["params"]))
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per trained token (forward + backward), as the model reports them."""
+        return model_class(self.cfg).flops_per_token(self.cfg.model, self.param_count(), self.cfg.data.seq_len)
 
     def lower(self):
         return self.step.lower(self.abstract_state, self.abstract_batch())

@@ -13,10 +13,10 @@ import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint._src.path import atomicity
 
+import conftest
 from shardtrain import checkpoint, config, loop, mesh as mesh_lib, metrics, step as step_lib
 
-TINY = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16",
-        "train.global_batch_size=8", "data.source=synthetic", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+TINY = [*conftest.TINY, "model.name=mlp", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
 
 def program(cfg_factory, *overrides):
@@ -94,7 +94,8 @@ def test_no_readable_checkpoint_stops_without_moving_anything(cfg_factory):
     save_steps(prog, [2])
     root = prog.cfg.checkpoint_dir()
     os.remove(f"{root}/2/meta/metadata")
-    with pytest.raises(config.ConfigError, match="(?s)none of the committed checkpoints .* step 2: FileNotFoundError.*Nothing was moved"):
+    with pytest.raises(config.ConfigError,
+                       match="(?s)none of the committed checkpoints .* step 2: FileNotFoundError.*Nothing was moved"):
         checkpoint.Checkpointer(prog).restore_latest(say=lambda _: None)
     assert sorted(os.listdir(root)) == ["2"]
 
@@ -141,7 +142,8 @@ def test_failed_async_save_stops_the_training_loop(cfg_factory, monkeypatch):
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
     with pytest.raises(checkpoint.SaveFailed, match="saving checkpoint step 2 .* No space left"):
         loop.train(cfg)
-    logged = [json.loads(line)["step"] for line in Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    lines = Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line)["step"] for line in lines if "loss" in line]
     assert max(logged) <= 4  # stopped at the next step boundary or save, not at the end
 
 
@@ -193,7 +195,8 @@ def test_gs_directory_is_passed_to_orbax_untouched(cfg_factory, monkeypatch):
 
 def test_batch_size_change_is_a_config_error(cfg_factory):
     cfg = cfg_factory(*TINY, "train.global_batch_size=16")
-    with pytest.raises(config.ConfigError, match="train.global_batch_size=16, but checkpoint step 3 was written with 8"):
+    with pytest.raises(config.ConfigError,
+                       match="train.global_batch_size=16, but checkpoint step 3 was written with 8"):
         checkpoint.start_step_from({"step": 3, "data_position": 24}, cfg)
     assert checkpoint.start_step_from({"step": 3, "data_position": 48}, cfg) == 3
 

@@ -26,7 +26,8 @@ def runtime_nodes(tree: ast.AST):
         yield node
         for child in ast.iter_child_nodes(node):
             test = getattr(child, "test", None)
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in (getattr(test, "id", None), getattr(test, "attr", None)):
+            guard = (getattr(test, "id", None), getattr(test, "attr", None))
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in guard:
                 stack.extend(child.orelse)
             else:
                 stack.append(child)

@@ -1,18 +1,16 @@
 """Pipeline parallelism: pipelined loss and gradients equal the plain model's, errors, HLO, training."""
 
-import math
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from shardtrain import blocks, config, loop, mesh as mesh_lib, pipeline, step as step_lib
+from conftest import TINY
+from shardtrain import blocks, config, loop, mesh as mesh_lib, pipeline, sharding, step as step_lib
 from shardtrain.config import ConfigError
 
-
-SMALL = ["model.d_model=32", "model.n_layers=8", "model.d_ff=64", "model.n_heads=2", "model.n_kv_heads=2",
-         "data.seq_len=16", "train.global_batch_size=32", "data.source=synthetic"]
+SMALL = [*TINY, "model.n_layers=8", "model.n_heads=2", "model.n_kv_heads=2", "train.global_batch_size=32"]
 
 
 def setup(model, *overrides, n_devices=8):
@@ -125,8 +123,7 @@ def test_hlo_permutes_activations_and_keeps_each_stage_share():
     blocks = prog.abstract_state["params"]["blocks"]
     w_in = blocks["w_in_df"]
     assert w_in.sharding.shard_shape(w_in.shape) == (4, 16, 32)  # 8 layers / 2 stages, fsdp, tensor
-    shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                      for x in jax.tree.leaves([prog.abstract_state, prog.abstract_batch()]))
+    shard_bytes = sharding.shard_bytes([prog.abstract_state, prog.abstract_batch()])
     assert compiled.memory_analysis().argument_size_in_bytes == shard_bytes
 
 

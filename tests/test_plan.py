@@ -11,12 +11,12 @@ import sys
 import jax
 import pytest
 
+from conftest import TINY
 from shardtrain import chips, config, hlo, mesh as mesh_lib, plan, search, step
 
 # The core still calls flax/optax APIs that flax 0.12.8 / optax 0.2.8 deprecate (for the core to fix).
 
-SMALL = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=16",
-         "train.global_batch_size=8", "data.source=synthetic"]
+SMALL = TINY
 MESHES = {"data": (8, 1, 1), "fsdp": (1, 8, 1), "tensor": (2, 1, 4), "combined": (2, 2, 2)}
 
 
@@ -26,7 +26,7 @@ def small_cfg(model, dft, *extra):
                               f"mesh.tensor={t}", *extra])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def planned(model: str, mesh_name: str) -> dict:
     cfg = small_cfg(model, MESHES[mesh_name])
     return plan.plan_one(cfg, jax.devices(), chips.CHIPS["v5e"])

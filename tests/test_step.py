@@ -9,11 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from shardtrain import config, mesh as mesh_lib, step
-from shardtrain.config import MeshConfig
+from conftest import TINY
+from shardtrain import config, mesh as mesh_lib, sharding, step
+from shardtrain.sharding import shard_bytes
 
-SMALL = ["model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=128", "model.n_layers=2",
-         "data.seq_len=16", "train.global_batch_size=16", "data.source=synthetic"]
+SMALL = [*TINY, "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=128",
+         "train.global_batch_size=16"]
 
 
 def one_step(cfg, devices=None):
@@ -88,16 +89,11 @@ def test_optimizer_state_is_sharded_like_params():
     assert state["opt"][1][0].mu["blocks"]["w_up_df"].sharding.spec == params["blocks"]["w_up_df"].spec
 
 
-def shard_bytes(abstract_tree) -> int:
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract_tree))
-
-
 def analytic_bytes(prog) -> int:
     """Parameters + optimizer state per device: each array's bytes / the product of its spec's axes."""
     total = 0
     for x in jax.tree.leaves(prog.abstract_state):
-        ways = math.prod(prog.mesh.shape[a] for entry in x.sharding.spec if entry
-                         for a in ((entry,) if isinstance(entry, str) else entry))
+        ways = math.prod(sharding.axes_size(prog.mesh, entry) for entry in x.sharding.spec)
         assert math.prod(x.shape) % ways == 0
         total += math.prod(x.shape) * x.dtype.itemsize // ways
     return total
@@ -121,7 +117,8 @@ def test_compiled_argument_bytes_are_the_shards(data, fsdp, tensor):
 def collectives(cfg_overrides):
     cfg = config.load(None, [*SMALL, *cfg_overrides])
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-    ops = re.findall(r"= (?:\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(",
+    kinds = "all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all"
+    ops = re.findall(rf"= (?:\([^)]*\)|\S+) ({kinds})(?:-start)?\(",
                      prog.lower().compile().as_text())
     return collections.Counter(ops)
 

@@ -30,7 +30,7 @@ def target_program(name, *overrides):
 def test_target_config_shards_its_model(name):
     devices, per_host, granules = TARGETS[name]
     cfg, prog = target_program(name)
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
+    n_params = prog.param_count()
     assert 3e8 < n_params < 5e9, f"{name}: {n_params / 1e9:.2f}B parameters is not a realistic size"
     assert math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES) == granules
     assert per_host % cfg.mesh.tensor == 0, "tensor parallelism must stay within a host"
