@@ -38,12 +38,6 @@ def data_traffic(cols, dtype=None, min_bytes=64):
                and (dtype is None or dtype in c.dtypes))
 
 
-@pytest.fixture
-def manual_float32(monkeypatch):
-    """Routes grad_reduce_dtype=float32 through comm's hand-written psum (the reference program)."""
-    monkeypatch.setattr(comm, "enabled", lambda cfg: True)
-
-
 def test_manual_float32_reduction_matches_gspmd(cfg_factory, monkeypatch):
     _, want = run(build(cfg_factory), 3)
     monkeypatch.setattr(comm, "enabled", lambda cfg: True)

@@ -45,9 +45,13 @@ def test_target_config_shards_its_model(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TARGETS)
 def test_target_step_traces_with_activation_constraints(name):
-    """Tracing runs the model, so every activation constraint's divisibility is checked too."""
+    """Tracing runs the model, so every activation constraint's divisibility is checked too; the
+    step returns a state of the shapes it takes, and scalar metrics."""
     _, prog = target_program(name)
-    prog.step.trace(prog.abstract_state, prog.abstract_batch())
+    state, metrics = prog.step.trace(prog.abstract_state, prog.abstract_batch()).out_info
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+    assert shapes(state) == shapes(prog.abstract_state)
+    assert {k: v.shape for k, v in metrics.items()} == {"loss": (), "grad_norm": (), "lr": ()}
 
 
 @pytest.mark.parametrize("override,field", [("model.n_kv_heads=2", "kv_heads"),
