@@ -168,7 +168,7 @@ class TrainConfig:
     plain averaging of the replicas)."""
     outer_momentum: float = 0.0
     """local_sgd: outer Nesterov momentum. DiLoCo's 0.7 / 0.9 suit H in the hundreds; at H=4 on the
-    demo they overshoot (60 steps: 8.6% above fp32 loss, 0.5 momentum 4.5%, 0.0 momentum 1.3%)."""
+    demo they overshoot (bench/README.md, Communication modes)."""
 
 
 @dataclass(frozen=True)

@@ -152,8 +152,9 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
 
 
 def compile_fast(lowered, platform: str):
-    """Compiles for reading, not running: on CPU without LLVM optimisation (66 s vs 118 s for the demo; buffer
-    assignment, cost analysis and collectives are decided before it and came out identical)."""
+    """Compiles for reading, not running: on CPU without LLVM optimisation (about half the compile time,
+    bench/README.md, Planner accuracy; buffer assignment, cost analysis and collectives are decided
+    before it and came out identical)."""
     return lowered.compile(compiler_options={"xla_backend_optimization_level": 0} if platform == "cpu" else None)
 
 
