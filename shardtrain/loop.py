@@ -41,9 +41,18 @@ class Preemption:
 
 def train(cfg: config_lib.RunConfig) -> int:
     """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
-    Closes everything it opened on every exit path; a failed checkpoint save raises
-    checkpoint.SaveFailed."""
+    A run whose checkpoints already reach train.steps is complete: it says so and returns 0
+    without touching anything. Closes everything it opened on every exit path; raises
+    checkpoint.SaveFailed if a checkpoint save fails; what the checkpoint library logs goes to
+    run_dir/shardtrain.log."""
+    committed = checkpoint.committed_steps(cfg)
+    if committed and max(committed) >= cfg.train.steps:
+        if jax.process_index() == 0:
+            print(f"run {cfg.run_dir} is complete: checkpoint step {max(committed)} reaches train.steps="
+                  f"{cfg.train.steps}; nothing to do (raise train.steps to continue it)", flush=True)
+        return 0
     with contextlib.ExitStack() as opened:
+        opened.enter_context(checkpoint.library_log(cfg))
         return _train(cfg, opened)
 
 
@@ -120,6 +129,7 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
         ckpt.check()  # a failed async save raises checkpoint.SaveFailed at the next step boundary
     finish_pending()
     ckpt.wait()
+    metrics.summary()  # a finished run's closing line (the ExitStack then closes what was opened)
     return exit_code
 
 
