@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from conftest import TINY
-from shardtrain import chips, config, hlo, mesh as mesh_lib, plan, search, step
+from shardtrain import chips, cli, config, hlo, mesh as mesh_lib, plan, search, step
 
 # The core still calls flax/optax APIs that flax 0.12.8 / optax 0.2.8 deprecate (for the core to fix).
 
@@ -218,6 +218,25 @@ def test_plan_a_1b_gpt_on_256_devices(tmp_path):
     assert m["params"] == (r["params"]["bytes"] - norms) // 16 + norms
     assert m["optimizer"] == 2 * m["params"] + 12
     assert 0 < m["temp"] and m["total"] < 95 * 2 ** 30 and r["fits"]
+
+
+def test_write_without_search_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "meshes/demo.yaml", "--write", "best.yaml"])
+    assert e.value.code == 2 and "--write needs --search" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_search_entry_point_prints_the_ranking_and_writes_the_top_row(tmp_path, capsys):
+    cfg = config.load(None, [*SMALL, "model.name=mlp", f"run_dir={tmp_path / 'run'}"])
+    out = tmp_path / "best.yaml"
+    assert search.main(cfg, 2, "cpu", as_json=True, write=str(out)) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["devices"] == 2 and result["chip"] == "cpu"
+    meshes = {tuple(r["mesh"][a] for a in config.MESH_AXES) for r in result["rows"]}
+    assert meshes == {tuple(m[a] for a in config.MESH_AXES) for m in search.factorisations(2)}
+    best = config.load(str(out))
+    assert {a: getattr(best.mesh, a) for a in config.MESH_AXES} == result["rows"][0]["mesh"]
 
 
 def test_cli_bad_input_exits_2_with_the_fix(tmp_path):
