@@ -41,7 +41,7 @@ def test_checkpoint_of_another_model_lists_mismatching_paths(cfg_factory):
         checkpoint.Checkpointer(other).restore_latest(say=lambda _: None)
     msg = str(e.value)
     assert "checkpoint step 2" in msg and "does not fit" in msg
-    assert "params/blocks/w_in_df: checkpoint (2, 32, 512), this config (3, 64, 512)" in msg
+    assert "params/blocks/w_in_df: checkpoint (2, 32, 64), this config (3, 64, 64)" in msg
     assert "opt/1/0/mu/embedding_vd: checkpoint (256, 32), this config (256, 64)" in msg
     assert "model.d_model: 32 -> 64" in msg and "model.n_layers: 2 -> 3" in msg
 
