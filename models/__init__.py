@@ -1,6 +1,7 @@
 """Model registry. A model is one module here exposing a class built as
 `cls(model_cfg, rngs=..., constrain=...)` with `embed(tokens_bt) -> x_btd`, stacked `blocks`
-(leading logical axis `layers`, each block `x_btd -> x_btd`), `head(x_btd) -> logits_btv` and
+(leading logical axis `layers`, each block `block(x_btd, segment_ids_bt=None, positions_bt=None) -> x_btd`;
+None means one document per row at positions 0..T-1), `head(x_btd) -> logits_btv` and
 `flops_per_token(model_cfg, n_params, seq_len)` (training FLOPs, for MFU and the planner).
 Models name logical axes only; `constrain(x, names)` is handed in by the trainer."""
 
@@ -45,13 +46,14 @@ def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
     return make(rngs)
 
 
-def scan_blocks(blocks, x, wrap=lambda body: body):
-    """Runs stacked blocks in order with lax.scan; `wrap` decorates the per-layer body (remat)."""
+def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None):
+    """Runs stacked blocks in order with lax.scan; `wrap` decorates the per-layer body (remat).
+    `segment_ids` / `positions` (B, T) describe packed documents; None: one document per row."""
     graphdef, state = nnx.split(blocks)
 
     @wrap
     def body(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x), None
+        return nnx.merge(graphdef, layer_state)(x, segment_ids, positions), None
     return jax.lax.scan(body, x, state, unroll=True)[0]
 
 

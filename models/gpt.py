@@ -23,12 +23,13 @@ def rms_norm(x, scale, eps=1e-6):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * scale
 
 
-def rotary(x_bthe, theta: float):
-    """Rotary position embedding over the last (head) dimension."""
+def rotary(x_bthe, theta: float, positions_bt=None):
+    """Rotary position embedding over the last (head) dimension at `positions_bt` (default 0..T-1)."""
     t, e = x_bthe.shape[1], x_bthe.shape[-1]
     freq_f = theta ** (-jnp.arange(0, e, 2, dtype=jnp.float32) / e)
-    angle_tf = jnp.arange(t, dtype=jnp.float32)[:, None] * freq_f[None, :]
-    sin, cos = jnp.sin(angle_tf)[None, :, None, :], jnp.cos(angle_tf)[None, :, None, :]
+    pos_bt = jnp.arange(t)[None, :] if positions_bt is None else positions_bt
+    angle_btf = pos_bt.astype(jnp.float32)[..., None] * freq_f
+    sin, cos = jnp.sin(angle_btf)[:, :, None, :], jnp.cos(angle_btf)[:, :, None, :]
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
 
@@ -47,13 +48,16 @@ class Block(nnx.Module):
         self.w_up_df = param(rngs, normal(d ** -0.5), (d, f), ("embed", "mlp"))
         self.w_down_fd = param(rngs, normal(f ** -0.5 / 2), (f, d), ("mlp", "embed"))
 
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
         c = self.constrain
         h_btd = rms_norm(x_btd, self.attn_norm[...])
-        q_bthe = c(rotary(dense(h_btd, self.wq_dhe[...]), self.theta), BTHE)
-        k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta), BTKE)
+        q_bthe = c(rotary(dense(h_btd, self.wq_dhe[...]), self.theta, positions_bt), BTHE)
+        k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta, positions_bt), BTKE)
         v_btke = c(dense(h_btd, self.wv_dke[...]), BTKE)
-        o_bthe = jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True)
+        # causal, and with segment ids only within a document: (B, 1, T, T) broadcast over heads
+        seg_bt = segment_ids_bt
+        same_b1tt = None if seg_bt is None else seg_bt[:, None, :, None] == seg_bt[:, None, None, :]
+        o_bthe = jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=same_b1tt, is_causal=True)
         x_btd = c(x_btd + dense(o_bthe, self.wo_hed[...], n_in=2), BTD)
         h_btd = rms_norm(x_btd, self.mlp_norm[...])
         gate_btf = c(dense(h_btd, self.w_gate_df[...]), BTF)

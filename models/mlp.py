@@ -19,7 +19,7 @@ class Block(nnx.Module):
         self.w_in_df = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
         self.w_out_fd = param(rngs, normal(cfg.d_ff ** -0.5 / 2), (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
 
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):  # tokens do not mix: ignored
         h_btf = self.constrain(jax.nn.gelu(dense(x_btd, self.w_in_df[...])), BTF)
         return self.constrain(x_btd + dense(h_btf, self.w_out_fd[...]), BTD)
 

@@ -18,7 +18,8 @@ REMAT_POLICIES = {
 
 
 def scan_runner(cfg: RunConfig) -> Callable:
-    """Runs the stacked blocks with lax.scan, each layer rematerialised by the configured policy."""
+    """Runs the stacked blocks with lax.scan, each layer rematerialised by the configured policy;
+    `**docs` (segment_ids, positions) describe packed documents."""
     policy = REMAT_POLICIES.get(cfg.train.remat)
     wrap = (lambda f: jax.checkpoint(f, policy=policy)) if policy else (lambda f: f)
-    return lambda blocks, x: models.scan_blocks(blocks, x, wrap=wrap)
+    return lambda blocks, x, **docs: models.scan_blocks(blocks, x, wrap=wrap, **docs)

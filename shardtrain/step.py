@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
-from shardtrain import comm, optim, pipeline, sharding
+from shardtrain import comm, data, optim, pipeline, sharding
 from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
 
@@ -46,10 +46,23 @@ class Program:
     step: Callable
     """jitted (state, batch) -> (state, metrics), state donated."""
 
-    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+    loss_sums: Callable
+    """(params, batch) -> (summed token loss, counted tokens), unjitted (evaluate.py jits it)."""
+
+    def abstract_batch(self):
+        """The global batch: int32 (B, T+1) tokens, or for packed data a dict of three of them."""
         t = self.cfg.train
-        return jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
-                                    sharding=self.batch_sharding)
+        x = jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
+                                 sharding=self.batch_sharding)
+        return {k: x for k in PACKED_FIELDS} if data.packed(self.cfg) else x
+
+    def batch_shape(self) -> tuple[int, int]:
+        return (self.cfg.train.global_batch_size, self.cfg.data.seq_len + 1)
+
+    def device_batch(self, local_batch):
+        """This process's rows (numpy, as data.batches yields them) -> the global device batch."""
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+            self.batch_sharding, x, self.batch_shape()), local_batch)
 
     def param_count(self) -> int:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_state["params"]))
@@ -67,10 +80,30 @@ class Program:
 
     def local_rows(self) -> slice:
         """Rows of the global batch held by this process's devices (a contiguous block)."""
-        index_map = self.batch_sharding.addressable_devices_indices_map(self.abstract_batch().shape)
-        starts = [idx[0].start or 0 for idx in index_map.values()]
-        stops = [idx[0].stop or self.cfg.train.global_batch_size for idx in index_map.values()]
-        return slice(min(starts), max(stops))
+        return self.rows_for(self.batch_sharding.addressable_devices)
+
+    def rows_for(self, devices) -> slice:
+        """Rows of the global batch held by `devices` (one process's: a contiguous block)."""
+        index_map = self.batch_sharding.devices_indices_map(self.batch_shape())
+        rows = [index_map[d][0] for d in devices]
+        return slice(min(r.start or 0 for r in rows),
+                     max(self.cfg.train.global_batch_size if r.stop is None else r.stop for r in rows))
+
+
+PACKED_FIELDS = ("tokens", "segment_ids", "positions")
+
+
+def unpack(batch):
+    """A batch -> (inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt).
+
+    Unpacked (an int array): every position counts, segment ids and positions are None. Packed
+    (a dict): position t is masked when its input and target lie in different documents (the
+    input is an EOS, the target the next document's first token); EOS itself is predicted."""
+    if not isinstance(batch, dict):
+        return batch[:, :-1], batch[:, 1:], None, None, jnp.ones(batch[:, 1:].shape, jnp.float32)
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    weights_bt = (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)
+    return tokens[:, :-1], tokens[:, 1:], seg[:, :-1], batch["positions"][:, :-1], weights_bt
 
 
 def dtype(name: str):
@@ -91,15 +124,22 @@ def abstract_model(cfg: RunConfig, constrain=models.no_constraint):
 
 
 def cross_entropy(logits_btv, targets_bt):
-    return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt).mean()
+    """Per-token cross-entropy (B, T), float32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
 
 
 # ----------------------------------------------------------------------------- the pieces of `build`
 
 
 def blocks_runner(cfg: RunConfig, mesh: Mesh) -> Callable:
-    """`run_blocks(blocks, x_btd) -> x_btd`: a pipeline over `pipeline` when that axis is > 1, else a scan."""
-    return pipeline.runner(cfg, mesh) if mesh.shape["pipeline"] > 1 else scan_runner(cfg)
+    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: a pipeline over `pipeline` when that axis is > 1
+    (its errors name layers, stages, repeats), else a scan."""
+    if mesh.shape["pipeline"] == 1:
+        return scan_runner(cfg)
+    if data.packed(cfg):
+        raise ConfigError(f"data.source={cfg.data.source} packs documents with segment ids, which the pipeline "
+                          "(mesh.pipeline > 1) does not carry yet; use mesh.pipeline=1")
+    return pipeline.runner(cfg, mesh)
 
 
 def abstract_params(cfg: RunConfig, constrain) -> tuple[Any, dict, dict]:
@@ -143,36 +183,51 @@ def init_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
     return init
 
 
-def loss_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
-    """(params, tokens_bt) -> mean next-token cross-entropy, computed in train.compute_dtype:
-    embed -> run_blocks -> head."""
+
+def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
+    """(params, batch) -> (summed next-token cross-entropy over the counted positions, their number),
+    computed in train.compute_dtype: embed -> run_blocks -> head (packed documents: see `unpack`)."""
     compute_dtype = dtype(cfg.train.compute_dtype)
 
-    def loss(params, tokens_bt):
+    def loss_sums(params, batch):
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        x_btd = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
-        return cross_entropy(model.head(x_btd), tokens_bt[:, 1:])
+        inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
+        docs = {} if segment_ids_bt is None else {"segment_ids": segment_ids_bt, "positions": positions_bt}
+        x_btd = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
+        return (cross_entropy(model.head(x_btd), targets_bt) * weights_bt).sum(), weights_bt.sum()
+    return loss_sums
+
+
+def loss_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
+    """(params, batch, denominator=None) -> summed token loss / denominator (default: the batch's
+    own counted tokens, i.e. the mean)."""
+    loss_sums = loss_sums_fn(cfg, graphdef, run_blocks)
+
+    def loss(params, batch, denominator=None):
+        total, count = loss_sums(params, batch)
+        return total / (jnp.maximum(count, 1.0) if denominator is None else denominator)
     return loss
 
 
 def make_loss_and_grads(cfg: RunConfig, run_blocks: Callable, constrain) -> Callable:
-    """(params, tokens_bt) -> (loss, grads): mean over train.grad_accum_steps micro-batches (= the full
-    batch's), activations constrained by `constrain` (comm.py passes its own, per replica)."""
+    """(params, batch) -> (loss, grads): the mean token loss over train.grad_accum_steps micro-batches
+    (= the full batch's), activations constrained by `constrain` (comm.py passes its own, per replica)."""
     loss = loss_fn(cfg, nnx.split(abstract_model(cfg, constrain))[0], run_blocks)
     accum = cfg.train.grad_accum_steps
 
-    def loss_and_grads(params, tokens_bt):
+    def loss_and_grads(params, batch):
+        denominator = jnp.maximum(unpack(batch)[-1].sum(), 1.0)  # the whole step's counted tokens
         if accum == 1:
-            return jax.value_and_grad(loss)(params, tokens_bt)
-        micro_abt = tokens_bt.reshape(accum, -1, tokens_bt.shape[-1])  # (A, B/A, T+1)
+            return jax.value_and_grad(loss)(params, batch, denominator)
+        micro = jax.tree.map(lambda x: x.reshape(accum, -1, x.shape[-1]), batch)  # (B, T+1) -> (A, B/A, T+1)
 
-        def body(carry, micro_bt):
-            value, grads = jax.value_and_grad(loss)(params, constrain(micro_bt, ("batch", None)))
+        def body(carry, micro_batch):
+            micro_batch = jax.tree.map(lambda x: constrain(x, ("batch", None)), micro_batch)
+            value, grads = jax.value_and_grad(loss)(params, micro_batch, denominator)
             return jax.tree.map(jnp.add, carry, (value, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        total = jax.lax.scan(body, zeros, micro_abt)[0]
-        return jax.tree.map(lambda x: x / accum, total)
+        return jax.lax.scan(body, zeros, micro)[0]
     return loss_and_grads
 
 
@@ -212,8 +267,8 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
     init, update = init_fn(cfg, tx), update_fn(cfg, tx)                                       # 4
     loss_and_grads = make_loss(constrain)
 
-    def train_step(state, tokens_bt):
-        return update(state, *loss_and_grads(state["params"], tokens_bt))
+    def train_step(state, batch):
+        return update(state, *loss_and_grads(state["params"], batch))
 
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
         shardings, init, train_step = comm.build(cfg, mesh, comm.Base(shardings, init, update, make_loss))
@@ -221,7 +276,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
 
     return Program(                                                                           # 5
         cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=shardings,
-        batch_sharding=batch, abstract_state=abstract_state,
+        batch_sharding=batch, abstract_state=abstract_state, loss_sums=loss_sums_fn(cfg, graphdef, run_blocks),
         init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=shardings),
         step=jax.jit(train_step, in_shardings=(shardings, batch),
                      out_shardings=(shardings, shardings["step"]), donate_argnums=0),
