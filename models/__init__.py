@@ -1,7 +1,8 @@
 """Model registry. A model is one module here exposing a class built as
 `cls(model_cfg, rngs=..., constrain=...)` with `embed(tokens_bt) -> x_btd`, stacked `blocks`
 (leading logical axis `layers`, each block `block(x_btd, segment_ids_bt=None, positions_bt=None) -> x_btd`;
-None means one document per row at positions 0..T-1) and `head(x_btd) -> logits_btv`.
+None means one document per row at positions 0..T-1), `head(x_btd) -> logits_btv` and
+`flops_per_token(model_cfg, n_params, seq_len)` (training FLOPs, for MFU and the planner).
 Models name logical axes only; `constrain(x, names)` is handed in by the trainer."""
 
 from __future__ import annotations
@@ -14,11 +15,19 @@ from flax import nnx
 
 MODELS = {"gpt": "models.gpt:Gpt", "llama": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
 
+# Logical names of every dimension of the activations models constrain (the rules map each to mesh axes).
+BTD = ("batch", "seq", "activation_embed")
+BTF = ("batch", "seq", "mlp")
+BTV = ("batch", "seq", "vocab")
+
+
+class UnknownModel(ValueError):
+    """`get` was asked for a name not in MODELS (the trainer turns it into its config error)."""
+
 
 def get(name: str):
-    from shardtrain.config import ConfigError
     if name not in MODELS:
-        raise ConfigError(f"model.name: unknown model '{name}'; known: {', '.join(MODELS)}")
+        raise UnknownModel(f"model.name: unknown model '{name}'; known: {', '.join(MODELS)}")
     module, cls = MODELS[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -48,16 +57,22 @@ def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=N
     return jax.lax.scan(body, x, state, unroll=True)[0]
 
 
+# The two helpers below are the models' own arithmetic written in a form that suits the compilers,
+# not parallelism: they take no mesh and no sharding, so they stay here (models import nothing from
+# shardtrain). Both compute exactly what the plain form would (an einsum, a gather).
+
+
 def dense(x, w, n_in=1):
-    """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul
-    (XLA's CPU backend runs (N, K) @ (K, M) much faster than a batched einsum, backward too)."""
+    """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul: the same
+    numbers as `einsum("...k,k...")`, and XLA's CPU backend runs (N, K) @ (K, M) much faster than a
+    batched einsum, backward too (the simulated-device tests and demo run on CPU)."""
     lead, k = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in])
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
 
 
 def embed_lookup(table_vd, tokens_bt):
-    """Token embeddings as a one-hot matmul: it shards cleanly over vocab and embed, where a
-    gather from a vocab-sharded table makes XLA replicate the table."""
+    """Token embeddings as a one-hot matmul (= `table_vd[tokens_bt]`): it shards cleanly over vocab
+    and embed, where a gather from a vocab-sharded table makes XLA replicate the table."""
     return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd)
 
 

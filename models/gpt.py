@@ -19,11 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import dense, embed_lookup, no_constraint, param, scan_blocks, stacked
+from models import BTD, BTF, BTV, dense, embed_lookup, no_constraint, param, scan_blocks, stacked
 
 normal = nnx.initializers.normal
 ones = nnx.initializers.ones
 zeros = nnx.initializers.zeros
+BTHE = ("batch", "seq", "heads", "activation_head_dim")
+BTKE = ("batch", "seq", "kv_heads", "activation_head_dim")
 
 
 def rms_norm(x, scale, eps=1e-6):
@@ -124,19 +126,19 @@ class Block(nnx.Module):
             q_bthe, k_btke, v_btke = q_bthe + self.bq_he[...], k_btke + self.bk_ke[...], v_btke + self.bv_ke[...]
         if hasattr(self, "q_norm"):
             q_bthe, k_btke = rms_norm(q_bthe, self.q_norm[...], self.eps), rms_norm(k_btke, self.k_norm[...], self.eps)
-        q_bthe = c(rotary(q_bthe, self.theta, positions_bt, self.rope_scaling), ("batch", "seq", "heads", None))
-        k_btke = c(rotary(k_btke, self.theta, positions_bt, self.rope_scaling), ("batch", "seq", "kv_heads", None))
-        return q_bthe, k_btke, c(v_btke, ("batch", "seq", "kv_heads", None))
+        q_bthe = c(rotary(q_bthe, self.theta, positions_bt, self.rope_scaling), BTHE)
+        k_btke = c(rotary(k_btke, self.theta, positions_bt, self.rope_scaling), BTKE)
+        return q_bthe, k_btke, c(v_btke, BTKE)
 
     def finish(self, x_btd, o_bthe):
         """Output projection, residual, then the SwiGLU MLP and its residual."""
         c = self.constrain
-        x_btd = c(x_btd + dense(o_bthe, self.weight("wo_hed"), n_in=2), ("batch", "seq", None))
+        x_btd = c(x_btd + dense(o_bthe, self.weight("wo_hed"), n_in=2), BTD)
         h_btd = rms_norm(x_btd, self.mlp_norm[...], self.eps)
-        gate_btf = c(dense(h_btd, self.weight("w_gate_df")), ("batch", "seq", "mlp"))
-        up_btf = c(dense(h_btd, self.weight("w_up_df")), ("batch", "seq", "mlp"))
+        gate_btf = c(dense(h_btd, self.weight("w_gate_df")), BTF)
+        up_btf = c(dense(h_btd, self.weight("w_up_df")), BTF)
         out_btd = dense(jax.nn.silu(gate_btf) * up_btf, self.weight("w_down_fd"))
-        return c(x_btd + out_btd, ("batch", "seq", None))
+        return c(x_btd + out_btd, BTD)
 
     def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
         q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
@@ -170,12 +172,12 @@ class Gpt(nnx.Module):
 
     def embed(self, tokens_bt):
         x_btd = embed_lookup(self.embedding_vd[...], tokens_bt)
-        return self.constrain(x_btd, ("batch", "seq", None))
+        return self.constrain(x_btd, BTD)
 
     def head(self, x_btd):
         unembed_dv = self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
         logits_btv = dense(rms_norm(x_btd, self.final_norm[...], self.eps), unembed_dv)
-        return self.constrain(logits_btv, ("batch", "seq", "vocab"))
+        return self.constrain(logits_btv, BTV)
 
     def __call__(self, tokens_bt):
         return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))
@@ -192,3 +194,9 @@ class Gpt(nnx.Module):
             return x_btd, (k_bske, v_bske)
         x_btd, (k_lbske, v_lbske) = jax.lax.scan(body, self.embed(tokens_bt), (state, cache["k"], cache["v"]))
         return self.head(x_btd), {"k": k_lbske, "v": v_lbske}
+
+    @staticmethod
+    def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention's scores
+        and values, 12 L T H E."""
+        return 6 * n_params + 12 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.head_dim or cfg.d_model // cfg.n_heads)

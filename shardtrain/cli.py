@@ -4,12 +4,10 @@ input exit 2 with one message, no traceback."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 from shardtrain import config as config_lib, distributed
-
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -38,9 +36,8 @@ def skip_absent_tpu() -> None:
 
 
 def mesh_devices(cfg: config_lib.RunConfig) -> int:
-    """The device count a mesh asks for (the default when one axis is -1)."""
-    sizes = cfg.mesh.sizes().values()
-    return math.prod(sizes) if all(s > 0 for s in sizes) else DEFAULT_CPU_DEVICES
+    """The device count a mesh asks for (the CLI's default when one axis is -1)."""
+    return cfg.mesh.device_count(DEFAULT_CPU_DEVICES)
 
 
 def cmd_train(args) -> int:
@@ -61,11 +58,20 @@ def cmd_train(args) -> int:
 
 def cmd_plan(args) -> int:
     if args.devices is not None and args.devices < 1:
-        raise config_lib.ConfigError(f"--devices: must be a positive device count, e.g. --devices 8; got {args.devices}")
+        raise config_lib.ConfigError(
+            f"--devices: must be a positive device count, e.g. --devices 8; got {args.devices}")
     cfg = config_lib.load(args.config, args.overrides)
-    simulated_devices(args.devices or mesh_devices(cfg))
+    if args.write and not args.search:
+        raise config_lib.ConfigError("--write needs --search (it writes the best mesh found)")
+    n_devices = args.devices or mesh_devices(cfg)
+    simulated_devices(n_devices)
     from shardtrain import plan
-    return plan.main(cfg, args)
+    devices, chip = plan.target(cfg, n_devices, args.devices, args.chip, args.topology, args.slices,
+                                args.memory_limit)
+    if args.search:
+        from shardtrain import search
+        return search.main(cfg, devices, chip, as_json=args.json, write=args.write)
+    return plan.main(cfg, devices, chip, as_json=args.json)
 
 
 def cmd_prepare(args) -> int:
@@ -106,6 +112,7 @@ def cmd_export_hf(args) -> int:
 def cmd_generate(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
     import json
+
     from shardtrain import generate
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise config_lib.ConfigError("generate: need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1")

@@ -30,6 +30,11 @@ MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
 AxisRule = Optional[str | tuple[str, ...]]
 
 
+def mesh_axes(rule: AxisRule) -> tuple[str, ...]:
+    """A rule (or a PartitionSpec entry) as a tuple of mesh axes: null -> (), "fsdp" -> ("fsdp",)."""
+    return (rule,) if isinstance(rule, str) else tuple(rule or ())
+
+
 @dataclass(frozen=True)
 class DcnConfig:
     """Sizes of each mesh axis across slices / hosts (the slow network); the ICI sizes in `mesh`
@@ -60,11 +65,18 @@ class MeshConfig:
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) * getattr(self.dcn, a) for a in MESH_AXES}
 
+    def device_count(self, default: int) -> int:
+        """The device count this mesh asks for, or `default` when one axis is -1 (any count)."""
+        sizes = self.sizes().values()
+        return math.prod(sizes) if all(s > 0 for s in sizes) else default
+
 
 @dataclass(frozen=True)
 class RulesConfig:
     """Logical axis -> mesh axis (a name, a list of names, or null for replicated). One row per
-    logical name; models use only these names."""
+    logical name; models use only these names, for parameters and activations alike (the
+    `activation_*` rows name activation dimensions that no parameter has, so sharding them is a
+    rules change, not a model edit)."""
 
     batch: AxisRule = ("data", "fsdp")
     embed: AxisRule = "fsdp"
@@ -74,6 +86,10 @@ class RulesConfig:
     vocab: AxisRule = "tensor"
     layers: AxisRule = "pipeline"
     seq: AxisRule = None
+    activation_embed: AxisRule = None
+    """The model dimension of activations (the residual stream x_btd); null: whole on every device."""
+    activation_head_dim: AxisRule = None
+    """The per-head dimension of attention activations (q, k, v)."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +244,7 @@ class TrainConfig:
     plain averaging of the replicas)."""
     outer_momentum: float = 0.0
     """local_sgd: outer Nesterov momentum. DiLoCo's 0.7 / 0.9 suit H in the hundreds; at H=4 on the
-    demo they overshoot (60 steps: 8.6% above fp32 loss, 0.5 momentum 4.5%, 0.0 momentum 1.3%)."""
+    demo they overshoot (bench/README.md, Communication modes)."""
 
 
 @dataclass(frozen=True)
@@ -409,7 +425,8 @@ def read_yaml(p: Path) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: YAML syntax error: {' '.join(str(e).split())}") from None
     if tree is None:
-        raise ConfigError(f"config file '{p}' holds only comments; give at least one section, e.g. copy meshes/demo.yaml")
+        raise ConfigError(f"config file '{p}' holds only comments; give at least one section, "
+                          "e.g. copy meshes/demo.yaml")
     if not isinstance(tree, dict):
         raise ConfigError(f"{p}: expected a mapping of sections (mesh:, model:, ...) at the top level, "
                           f"got {type(tree).__name__}")
@@ -489,7 +506,8 @@ def validate(cfg: RunConfig) -> None:
         first, last = t.profile_steps
         if not 1 <= first <= last <= t.steps:
             raise ConfigError(f"train.profile_steps: [{first}, {last}] must be [first, last] steps with "
-                              f"1 <= first <= last <= train.steps={t.steps}, e.g. [{min(3, t.steps)}, {min(5, t.steps)}]")
+                              f"1 <= first <= last <= train.steps={t.steps}, "
+                              f"e.g. [{min(3, t.steps)}, {min(5, t.steps)}]")
     validate_optimizer(cfg.optimizer)
     if not 0 <= cfg.checkpoint.writer_niceness <= 19:
         raise ConfigError(f"checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), "
@@ -520,7 +538,7 @@ def validate(cfg: RunConfig) -> None:
     validate_hardware(cfg)
     for logical in dataclasses.fields(RulesConfig):
         rule = getattr(cfg.rules, logical.name)
-        for axis in (rule,) if isinstance(rule, str) else rule or ():
+        for axis in mesh_axes(rule):
             if axis not in MESH_AXES:
                 raise ConfigError(f"rules.{logical.name}: unknown mesh axis '{axis}'; "
                                   f"mesh axes: {', '.join(MESH_AXES)}")

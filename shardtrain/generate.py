@@ -25,10 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardtrain import config as config_lib
-from shardtrain import mesh as mesh_lib
-from shardtrain import sharding, weights
-from shardtrain import step as step_lib
+from shardtrain import config as config_lib, mesh as mesh_lib, sharding, step as step_lib, weights
 
 
 def load_tokenizer(files_dir: Path | None):

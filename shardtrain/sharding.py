@@ -7,13 +7,15 @@ logical names only; this module is the one place where those names meet mesh axe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import math
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from shardtrain.config import ConfigError, RulesConfig
+from shardtrain.config import AxisRule, ConfigError, RulesConfig, mesh_axes
 
 LOGICAL_AXES = tuple(f.name for f in dataclasses.fields(RulesConfig))
 
@@ -34,22 +36,30 @@ def spec_for(names: Sequence[str | None], rules: RulesConfig, mesh: Mesh, *, sha
             continue
         if name not in LOGICAL_AXES:
             raise ConfigError(f"{what}: unknown logical axis '{name}'; rules define: {', '.join(LOGICAL_AXES)}")
-        rule = getattr(rules, name)
-        axes = [a for a in ((rule,) if isinstance(rule, str) else rule or ()) if mesh.shape[a] > 1]
+        axes = [a for a in mesh_axes(getattr(rules, name)) if mesh.shape[a] > 1]
         for a in axes:
             if a in used:
                 raise ConfigError(f"{what}: mesh axis '{a}' is used twice in one PartitionSpec (by logical "
                                   f"axes '{used[a]}' and '{name}'); change rules.{name} or rules.{used[a]}")
             used[a] = name
         if shape is not None and axes:
-            ways = 1
-            for a in axes:
-                ways *= mesh.shape[a]
+            ways = axes_size(mesh, axes)
             if shape[dim] % ways:
                 raise ConfigError(f"{what}: dimension {dim} ('{name}') of size {shape[dim]} is not divisible by "
                                   f"mesh axes {'x'.join(axes)} = {ways}; change the mesh or rules.{name}")
         spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return P(*spec)
+
+
+def axes_size(mesh: Mesh, axes: AxisRule) -> int:
+    """How many ways `axes` (a rule, a PartitionSpec entry or a tuple of mesh axes) split a dimension."""
+    return math.prod(mesh.shape[a] for a in mesh_axes(axes))
+
+
+def shard_bytes(tree) -> int:
+    """Bytes per device of a tree of ShapeDtypeStructs (or arrays) with shardings (every device
+    holds the same amount, since every sharded dimension divides)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def logical_names(abstract_state: nnx.State) -> dict:
@@ -78,7 +88,7 @@ def named(mesh: Mesh, specs: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Constrain:
-    """Activation sharding constraint by logical names: `constrain(x_btd, ("batch", "seq", None))`.
+    """Activation sharding constraint by logical names: `constrain(x_btd, ("batch", "seq", "activation_embed"))`.
 
     Built by the trainer from the rules and mesh and handed to the model; the default
     (`mesh=None`) does nothing, so models also run unsharded.

@@ -11,7 +11,10 @@ Train state (a plain dict pytree, checkpointed as is):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +23,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
-from shardtrain import comm, data, optim, sharding
+from shardtrain import comm, data, optim, pipeline, sharding
+from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
 
 
 @dataclasses.dataclass
@@ -66,6 +64,17 @@ class Program:
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
             self.batch_sharding, x, self.batch_shape()), local_batch)
 
+    def param_count(self) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_state["params"]))
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per trained token (forward + backward), as the model reports them (6N, the
+        matmuls alone, for a model that does not)."""
+        report = getattr(model_class(self.cfg), "flops_per_token", None)
+        if report is None:
+            return 6 * self.param_count()
+        return report(self.cfg.model, self.param_count(), self.cfg.data.seq_len)
+
     def lower(self):
         return self.step.lower(self.abstract_state, self.abstract_batch())
 
@@ -101,16 +110,17 @@ def dtype(name: str):
     return jnp.dtype(name)
 
 
+def model_class(cfg: RunConfig):
+    """The model class that model.name names (ConfigError for an unknown name)."""
+    try:
+        return models.get(cfg.model.name)
+    except models.UnknownModel as e:
+        raise ConfigError(str(e)) from None
+
+
 def abstract_model(cfg: RunConfig, constrain=models.no_constraint):
-    cls = models.get(cfg.model.name)
+    cls = model_class(cfg)
     return nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0), constrain=constrain))
-
-
-def scan_runner(cfg: RunConfig) -> Callable:
-    """Runs the stacked blocks with lax.scan, each layer rematerialised by the configured policy."""
-    policy = REMAT_POLICIES.get(cfg.train.remat)
-    wrap = (lambda f: jax.checkpoint(f, policy=policy)) if policy else (lambda f: f)
-    return lambda blocks, x, **docs: models.scan_blocks(blocks, x, wrap=wrap, **docs)
 
 
 def cross_entropy(logits_btv, targets_bt):
@@ -118,105 +128,156 @@ def cross_entropy(logits_btv, targets_bt):
     return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
 
 
-def build(cfg: RunConfig, mesh: Mesh) -> Program:
-    run_blocks = scan_runner(cfg)
-    if mesh.shape["pipeline"] > 1 and data.packed(cfg):
+# ----------------------------------------------------------------------------- the pieces of `build`
+
+
+def blocks_runner(cfg: RunConfig, mesh: Mesh) -> Callable:
+    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: a pipeline over `pipeline` when that axis is > 1
+    (its errors name layers, stages, repeats), else a scan."""
+    if mesh.shape["pipeline"] == 1:
+        return scan_runner(cfg)
+    if data.packed(cfg):
         raise ConfigError(f"data.source={cfg.data.source} packs documents with segment ids, which the pipeline "
                           "(mesh.pipeline > 1) does not carry yet; use mesh.pipeline=1")
-    if mesh.shape["pipeline"] > 1:
-        from shardtrain import pipeline
-        run_blocks = pipeline.runner(cfg, mesh)  # first: its errors name layers, stages, repeats
+    return pipeline.runner(cfg, mesh)
 
-    constrain = sharding.Constrain(cfg.rules, mesh)
-    graphdef, abstract_params = nnx.split(abstract_model(cfg, constrain))
-    names = sharding.logical_names(abstract_params)
-    param_dtype, compute_dtype = dtype(cfg.train.param_dtype), dtype(cfg.train.compute_dtype)
-    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype),
-                                   nnx.to_pure_dict(abstract_params))
-    param_shardings = sharding.named(mesh, sharding.param_specs(abstract_params, names, cfg.rules, mesh))
+
+def abstract_params(cfg: RunConfig, constrain) -> tuple[Any, dict, dict]:
+    """(graphdef, parameter ShapeDtypeStructs in train.param_dtype, their logical axis names)."""
+    graphdef, state = nnx.split(abstract_model(cfg, constrain))
+    names = sharding.logical_names(state)
+    param_dtype = dtype(cfg.train.param_dtype)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), nnx.to_pure_dict(state))
+    return graphdef, shapes, names
+
+
+def state_shardings(cfg: RunConfig, mesh: Mesh, tx: optax.GradientTransformation, params: dict,
+                    names: dict) -> dict:
+    """Shardings of the train state: parameters by the rules, optimizer state like its parameters
+    (`jax.jit(tx.init)` alone would replicate it), scalars replicated."""
     replicated = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, sharding.spec_for(
+    param_shardings = sharding.named(mesh, sharding.param_specs(params, names, cfg.rules, mesh))
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 - parameters without state (frozen by LoRA)
+    opt_shardings = optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, jax.eval_shape(tx.init, params),
+                                          param_shardings, transform_non_params=lambda _: replicated, is_leaf=masked)
+    return {"params": param_shardings, "opt": opt_shardings, "step": replicated}
+
+
+def batch_sharding(cfg: RunConfig, mesh: Mesh) -> NamedSharding:
+    """The (global batch, seq_len + 1) token batch: rows by rules.batch."""
+    return NamedSharding(mesh, sharding.spec_for(
         ("batch", None), cfg.rules, mesh, shape=(cfg.train.global_batch_size, cfg.data.seq_len + 1),
         what="batch (train.global_batch_size, data.seq_len + 1)"))
 
-    tx = optim.make(cfg)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 - parameters without state (frozen by LoRA)
-    opt_shardings = optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, abstract_opt, param_shardings,
-                                          transform_non_params=lambda _: replicated, is_leaf=masked)
-    state_shardings = {"params": param_shardings, "opt": opt_shardings, "step": replicated}
-    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                  {"params": abstract_params, "opt": abstract_opt,
-                                   "step": jax.ShapeDtypeStruct((), jnp.int32)}, state_shardings)
 
-    def init(seed):
-        cls = models.get(cfg.model.name)
-        params = nnx.to_pure_dict(nnx.split(cls(cfg.model, rngs=nnx.Rngs(params=seed)))[1])
-        params = jax.tree.map(lambda p: p.astype(param_dtype), params)
+def with_shardings(shapes, shardings):
+    """ShapeDtypeStructs carrying their shardings (the state without allocating it)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def init_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
+    """key -> {params, opt, step}: the model initialised from `key`, in train.param_dtype."""
+    def init(key):
+        params = nnx.to_pure_dict(nnx.split(model_class(cfg)(cfg.model, rngs=nnx.Rngs(params=key)))[1])
+        params = jax.tree.map(lambda p: p.astype(dtype(cfg.train.param_dtype)), params)
         return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    return init
 
-    def loss_sum(model, batch):
-        """(summed cross-entropy over the counted positions, their number)."""
+
+def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
+    """(params, batch) -> (summed next-token cross-entropy over the counted positions, their number),
+    computed in train.compute_dtype: embed -> run_blocks -> head (packed documents: see `unpack`)."""
+    compute_dtype = dtype(cfg.train.compute_dtype)
+
+    def loss_sums(params, batch):
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
         inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
         docs = {} if segment_ids_bt is None else {"segment_ids": segment_ids_bt, "positions": positions_bt}
         x_btd = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
         return (cross_entropy(model.head(x_btd), targets_bt) * weights_bt).sum(), weights_bt.sum()
+    return loss_sums
 
-    def loss_sums(params, batch):
-        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        return loss_sum(model, batch)
 
-    def make_loss_and_grads(constrain):
-        """loss_and_grads for the model with activations constrained by `constrain` (comm runs it per replica)."""
-        graphdef = nnx.split(abstract_model(cfg, constrain))[0]
+def loss_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
+    """(params, batch, denominator=None) -> summed token loss / denominator (default: the batch's
+    own counted tokens, i.e. the mean)."""
+    loss_sums = loss_sums_fn(cfg, graphdef, run_blocks)
 
-        def loss_fn(params, batch, denominator):
-            """Summed token loss of `batch` / denominator (the whole step's counted tokens)."""
-            model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-            return loss_sum(model, batch)[0] / denominator
+    def loss(params, batch, denominator=None):
+        total, count = loss_sums(params, batch)
+        return total / (jnp.maximum(count, 1.0) if denominator is None else denominator)
+    return loss
 
-        def loss_and_grads(params, batch):
-            """Mean token loss and gradients over train.grad_accum_steps micro-batches (= the full batch's)."""
-            accum = cfg.train.grad_accum_steps
-            denominator = jnp.maximum(unpack(batch)[-1].sum(), 1.0)
-            if accum == 1:
-                return jax.value_and_grad(loss_fn)(params, batch, denominator)
-            # (B, T+1) -> (A, B/A, T+1) for each field of the batch
-            micro = jax.tree.map(lambda x: x.reshape(accum, -1, x.shape[-1]), batch)
 
-            def body(carry, micro_batch):
-                micro_batch = jax.tree.map(lambda x: constrain(x, ("batch", None)), micro_batch)
-                loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch, denominator)
-                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+def make_loss_and_grads(cfg: RunConfig, run_blocks: Callable, constrain) -> Callable:
+    """(params, batch) -> (loss, grads): the mean token loss over train.grad_accum_steps micro-batches
+    (= the full batch's), activations constrained by `constrain` (comm.py passes its own, per replica)."""
+    loss = loss_fn(cfg, nnx.split(abstract_model(cfg, constrain))[0], run_blocks)
+    accum = cfg.train.grad_accum_steps
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            return jax.lax.scan(body, zeros, micro)[0]
-        return loss_and_grads
+    def loss_and_grads(params, batch):
+        denominator = jnp.maximum(unpack(batch)[-1].sum(), 1.0)  # the whole step's counted tokens
+        if accum == 1:
+            return jax.value_and_grad(loss)(params, batch, denominator)
+        micro = jax.tree.map(lambda x: x.reshape(accum, -1, x.shape[-1]), batch)  # (B, T+1) -> (A, B/A, T+1)
 
+        def body(carry, micro_batch):
+            micro_batch = jax.tree.map(lambda x: constrain(x, ("batch", None)), micro_batch)
+            value, grads = jax.value_and_grad(loss)(params, micro_batch, denominator)
+            return jax.tree.map(jnp.add, carry, (value, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        return jax.lax.scan(body, zeros, micro)[0]
+    return loss_and_grads
+
+
+def update_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
+    """(state, loss, grads) -> (state, metrics): applies reduced gradients; params, opt and step
+    advance, other state entries pass through."""
     lr = optim.schedule(cfg)
 
     def update(state, loss, grads):
-        """Applies reduced gradients: params, opt and step advance; other state entries pass through."""
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
         return {**state, "params": params, "opt": opt, "step": state["step"] + 1}, metrics
+    return update
 
-    loss_and_grads = make_loss_and_grads(constrain)
+
+# ----------------------------------------------------------------------------- build
+
+
+def build(cfg: RunConfig, mesh: Mesh) -> Program:
+    """The one compiled train step of `cfg` on `mesh` (trainer and planner both call this):
+
+    1. abstract model: parameter shapes and logical names, nothing allocated;
+    2. shardings: parameters by the rules, optimizer state like its parameters, the batch by rows;
+    3. loss: embed -> blocks (scan or pipeline) -> head, and its gradients over the micro-batches;
+    4. update: the optimizer step (comm.py wraps 3-4 for compressed reduction or local SGD);
+    5. jit: `init` creates the state already sharded, `step` donates it.
+    """
+    run_blocks = blocks_runner(cfg, mesh)  # first: the pipeline's errors name layers, stages, repeats
+    constrain = sharding.Constrain(cfg.rules, mesh)
+    tx = optim.make(cfg)
+
+    graphdef, params, names = abstract_params(cfg, constrain)                                 # 1
+    shardings = state_shardings(cfg, mesh, tx, params, names)                                 # 2
+    batch = batch_sharding(cfg, mesh)
+    make_loss = functools.partial(make_loss_and_grads, cfg, run_blocks)                       # 3
+    init, update = init_fn(cfg, tx), update_fn(cfg, tx)                                       # 4
+    loss_and_grads = make_loss(constrain)
 
     def train_step(state, batch):
         return update(state, *loss_and_grads(state["params"], batch))
 
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
-        state_shardings, init, train_step = comm.build(cfg, mesh, comm.Base(
-            state_shardings, init, update, make_loss_and_grads))
-        abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      jax.eval_shape(init, jax.random.key(0)), state_shardings)
+        shardings, init, train_step = comm.build(cfg, mesh, comm.Base(shardings, init, update, make_loss))
+    abstract_state = with_shardings(jax.eval_shape(init, jax.random.key(0)), shardings)
 
-    return Program(
-        cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=state_shardings,
-        batch_sharding=batch_sharding, abstract_state=abstract_state, loss_sums=loss_sums,
-        init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=state_shardings),
-        step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, replicated), donate_argnums=0),
+    return Program(                                                                           # 5
+        cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=shardings,
+        batch_sharding=batch, abstract_state=abstract_state, loss_sums=loss_sums_fn(cfg, graphdef, run_blocks),
+        init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=shardings),
+        step=jax.jit(train_step, in_shardings=(shardings, batch),
+                     out_shardings=(shardings, shardings["step"]), donate_argnums=0),
     )

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
 
-from shardtrain import checkpoint, hf
-from shardtrain import config as config_lib
+from shardtrain import checkpoint, config as config_lib, hf
 
 HF_CONFIG = "hf_config.json"
 """The imported model's original config.json, kept beside the checkpoint for export."""
@@ -200,8 +199,7 @@ def run_config_of(source: Source) -> config_lib.RunConfig:
 
 def program_for(cfg: config_lib.RunConfig):
     """A program on the config's mesh, or on one device when the mesh does not fit those present."""
-    from shardtrain import mesh as mesh_lib
-    from shardtrain import step
+    from shardtrain import mesh as mesh_lib, step
     try:
         return step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     except config_lib.ConfigError:

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardtrain import cli, config, generate, hf, safetensors_io, sharding, step, weights
-from shardtrain import mesh as mesh_lib
+from shardtrain import cli, config, generate, hf, mesh as mesh_lib, safetensors_io, sharding, step, weights
 from shardtrain.config import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

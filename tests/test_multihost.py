@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+import conftest
+
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16", "train.global_batch_size=8",
-        "data.source=synthetic", "optimizer.warmup_steps=2", "optimizer.decay_steps=6", "checkpoint.every_steps=3"]
+TINY = [*conftest.TINY, "model.name=mlp", "optimizer.warmup_steps=2", "optimizer.decay_steps=6",
+        "checkpoint.every_steps=3"]
 PLAIN = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 HYBRID = ["mesh.data=1", "mesh.dcn.data=2", "mesh.fsdp=2", "mesh.tensor=2"]  # data across the 2 processes
 LONG = ["train.steps=100000", "checkpoint.every_steps=100000"]
