@@ -1,6 +1,7 @@
 """Model registry. A model is one module here exposing a class built as
 `cls(model_cfg, rngs=..., constrain=...)` with `embed(tokens_bt) -> x_btd`, stacked `blocks`
-(leading logical axis `layers`, each block `x_btd -> x_btd`) and `head(x_btd) -> logits_btv`.
+(leading logical axis `layers`, each block `block(x_btd, segment_ids_bt=None, positions_bt=None)
+-> x_btd`; None: one document per row, positions 0..T-1) and `head(x_btd) -> logits_btv`.
 Models name logical axes only; `constrain(x, names)` is handed in by the trainer."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import importlib
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
@@ -36,14 +38,15 @@ def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
     return make(rngs)
 
 
-def scan_blocks(blocks, x, wrap=lambda body: body):
-    """Runs stacked blocks in order with lax.scan; `wrap` decorates the per-layer body (remat)."""
+def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None, unroll: int = 1):
+    """Runs stacked blocks in order with a rolled lax.scan (`unroll` layers per iteration), so the
+    program does not grow with depth; `wrap` decorates the per-layer body (remat)."""
     graphdef, state = nnx.split(blocks)
 
     @wrap
     def body(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x), None
-    return jax.lax.scan(body, x, state, unroll=True)[0]
+        return nnx.merge(graphdef, layer_state)(x, segment_ids, positions), None
+    return jax.lax.scan(body, x, state, unroll=unroll)[0]
 
 
 def dense(x, w, n_in=1):
@@ -53,10 +56,13 @@ def dense(x, w, n_in=1):
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
 
 
-def embed_lookup(table_vd, tokens_bt):
-    """Token embeddings as a one-hot matmul: it shards cleanly over vocab and embed, where a
-    gather from a vocab-sharded table makes XLA replicate the table."""
-    return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd)
+def embed_lookup(table_vd, tokens_bt, how: str = "gather"):
+    """Token embeddings: `gather` takes rows of the table (no B x T x V intermediate, no 2 V D
+    FLOPs per token); `one_hot` is a one-hot matmul, which shards cleanly over a vocab-sharded
+    table (a gather from one makes XLA replicate the table) and is fast for tiny vocabularies."""
+    if how == "one_hot":
+        return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd)
+    return jnp.take(table_vd, tokens_bt, axis=0)
 
 
 def no_constraint(x, names):

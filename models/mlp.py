@@ -20,23 +20,23 @@ class Block(nnx.Module):
         self.w_in_df = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
         self.w_out_fd = param(rngs, normal(cfg.d_ff ** -0.5 / 2), (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
 
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):  # no attention: no use for them
         h_btf = self.constrain(jax.nn.gelu(dense(x_btd, self.w_in_df[...])), ("batch", "seq", "mlp"))
         return self.constrain(x_btd + dense(h_btf, self.w_out_fd[...]), ("batch", "seq", None))
 
 
 class Mlp(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
-        self.constrain = constrain
+        self.constrain, self.embed_how = constrain, cfg.embed
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain), cfg.n_layers, rngs)
         self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        return self.constrain(embed_lookup(self.embedding_vd[...], tokens_bt), ("batch", "seq", None))
+        return self.constrain(embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how), ("batch", "seq", None))
 
     def head(self, x_btd):
         return self.constrain(dense(x_btd, self.unembed_dv[...]), ("batch", "seq", "vocab"))
 
-    def __call__(self, tokens_bt):
+    def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):
         return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))

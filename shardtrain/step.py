@@ -21,12 +21,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from shardtrain import comm, optim, sharding
+from shardtrain.loss import chunked_cross_entropy, cross_entropy  # noqa: F401 (cross_entropy: re-exported)
 from shardtrain.config import RunConfig
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # the activations models name with checkpoint_name go to host memory, everything else is recomputed
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input", "attention_out"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -77,11 +82,8 @@ def scan_runner(cfg: RunConfig) -> Callable:
     """Runs the stacked blocks with lax.scan, each layer rematerialised by the configured policy."""
     policy = REMAT_POLICIES.get(cfg.train.remat)
     wrap = (lambda f: jax.checkpoint(f, policy=policy)) if policy else (lambda f: f)
-    return lambda blocks, x: models.scan_blocks(blocks, x, wrap=wrap)
-
-
-def cross_entropy(logits_btv, targets_bt):
-    return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt).mean()
+    return lambda blocks, x, segment_ids=None, positions=None: models.scan_blocks(
+        blocks, x, wrap=wrap, segment_ids=segment_ids, positions=positions, unroll=cfg.train.scan_unroll)
 
 
 def build(cfg: RunConfig, mesh: Mesh) -> Program:
@@ -124,7 +126,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
         def loss_fn(params, tokens_bt):
             model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
             x_btd = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
-            return cross_entropy(model.head(x_btd), tokens_bt[:, 1:])
+            return chunked_cross_entropy(model.head, x_btd, tokens_bt[:, 1:], chunk=cfg.train.loss_chunk)
 
         def loss_and_grads(params, tokens_bt):
             """Mean loss and gradients over train.grad_accum_steps micro-batches (= the full batch's)."""

@@ -1,6 +1,8 @@
 """Every attention implementation against the XLA reference (fp32), with packed documents,
 sharded over a 2x2x2 mesh; splash in the Pallas interpreter and compiled for a TPU topology."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +95,7 @@ def test_sharded_2x2x2_matches_reference(impl):
 def test_splash_compiles_for_tpu_topology():
     """The real kernel (not interpreted), sharded over a v5e:2x2 topology, through the TPU compiler."""
     from jax.experimental import topologies
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may compile for TPU too
     topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
     mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(1, 1, 2, 2), ("data", "pipeline", "fsdp", "tensor"),
                              axis_types=(jax.sharding.AxisType.Auto,) * 4)
