@@ -59,10 +59,11 @@ def test_chunked_several_chunks_and_gradients():
 
     def loss(fn, q, k, v):
         return (fn(q, k, v) ** 2).sum()
-    ref = jax.grad(lambda *a: loss(lambda q, k, v: reference(q, k, v, seg), *a), argnums=(0, 1, 2))(q, k, v)
-    got = jax.grad(lambda *a: loss(lambda q, k, v: attention.chunked(q, k, v, seg, chunk=64), *a),
-                   argnums=(0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(attention.chunked(q, k, v, seg, chunk=64), reference(q, k, v, seg), atol=2e-5)
+    ref = jax.jit(jax.grad(lambda *a: loss(lambda q, k, v: reference(q, k, v, seg), *a), argnums=(0, 1, 2)))(q, k, v)
+    got = jax.jit(jax.grad(lambda *a: loss(lambda q, k, v: attention.chunked(q, k, v, seg, chunk=64), *a),
+                           argnums=(0, 1, 2)))(q, k, v)
+    out = jax.jit(lambda q, k, v: attention.chunked(q, k, v, seg, chunk=64))(q, k, v)
+    np.testing.assert_allclose(out, reference(q, k, v, seg), atol=2e-5)
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
 
