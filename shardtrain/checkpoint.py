@@ -28,8 +28,11 @@ step leaves idle rather than slowing the step (see `lower_writer_priority`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -46,6 +49,8 @@ from shardtrain.step import Program
 UNUSABLE_DIR = "unusable"
 TMP_MARK = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"
+LOG_FILE = "shardtrain.log"
+"""In run_dir: what the checkpoint library logs (errors with their tracebacks), not the console."""
 
 
 class SaveFailed(RuntimeError):
@@ -107,6 +112,32 @@ def state_handler(replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
                                        type_handler_registry=registry)
 
 
+class _DrainingEventLoop(asyncio.SelectorEventLoop):
+    """An event loop that finishes its pending tasks before it closes."""
+
+    def close(self) -> None:
+        pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+        if pending and not self.is_running() and not self.is_closed():
+            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+
+@contextlib.contextmanager
+def draining_event_loops():
+    """Event loops created in this block wait for their pending tasks before closing.
+
+    Orbax runs a restore in a fresh event loop and closes it as soon as the first shard read
+    fails, while the reads of the other shards are still in flight; their completions would then
+    reach a closed loop ("RuntimeError: Event loop is closed", raised later from garbage
+    collection, in whatever code runs then). Waiting for them leaves no orbax work behind."""
+    policy = asyncio.get_event_loop_policy()
+    policy.new_event_loop = _DrainingEventLoop
+    try:
+        yield
+    finally:
+        del policy.new_event_loop
+
+
 WRITER_THREAD = "ts_pool_worker"  # the name tensorstore gives its worker threads
 
 
@@ -161,10 +192,11 @@ class Checkpointer:
                 f"checkpoint step {step} in {self.dir} does not fit this config's model "
                 f"({len(bad)} mismatching paths):\n  " + "\n  ".join(bad[:30]) + hint +
                 "\nResume with the config it was written with, or use another run_dir / checkpoint.directory.")
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                self.prog.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.prog.abstract_state)),
-            meta=ocp.args.JsonRestore()))
+        with draining_event_loops():
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    self.prog.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.prog.abstract_state)),
+                meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
     def restore_latest(self, say=print) -> tuple[dict, dict] | None:
@@ -247,13 +279,39 @@ class Checkpointer:
         except Exception as e:
             self.manager.reload()  # orbax forgets steps it meant to delete after the failed save
             latest = self.manager.latest_step()
+            reason = (str(e).strip().splitlines() or [""])[0][:300]
             raise SaveFailed(
-                f"saving checkpoint step {self.saving_step} to {self.dir} failed: {type(e).__name__}: {e}\n"
-                f"The run stopped. The newest committed checkpoint is step {latest}; fix the cause "
-                f"(disk space, permissions, checkpoint.directory) and rerun the same command to resume.") from e
+                f"saving checkpoint step {self.saving_step} to {self.dir} failed ({type(e).__name__}: {reason}); "
+                f"the newest committed checkpoint is step {'none yet' if latest is None else latest}. The run "
+                f"stopped: fix the cause (disk space, permissions, checkpoint.directory) and rerun the same "
+                f"command to resume; details in {Path(self.cfg.run_dir) / LOG_FILE}") from e
 
     def close(self) -> None:
         self.manager.close()
+
+
+@contextlib.contextmanager
+def library_log(cfg: config_lib.RunConfig):
+    """Within this block what Orbax logs (through absl: a failed async save's traceback, say) goes
+    to run_dir/shardtrain.log (shardtrain.process<i>.log on other processes), not the console."""
+    name = LOG_FILE if jax.process_index() == 0 else f"shardtrain.process{jax.process_index()}.log"
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(Path(cfg.run_dir) / name, delay=True)  # created on the first record
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("absl")
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        handler.close()
+
+
+def committed_steps(cfg: config_lib.RunConfig) -> list[int]:
+    """The committed step numbers in the run's checkpoint directory (no Orbax manager needed)."""
+    return [s.step for s in scan(directory(cfg)) if s.state == "committed"]
 
 
 def start_step_from(meta: dict, cfg: config_lib.RunConfig) -> int:

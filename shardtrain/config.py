@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -306,10 +307,25 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> RunCo
             value = raw
         _set_dotted(tree, key.strip(), value)
     cfg = _build(RunConfig, tree, "")
-    if cfg.run_dir is None:
-        cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / cfg.name))
     validate(cfg)
-    return cfg
+    return resolve_paths(cfg)
+
+
+def absolute(path: str | None) -> str | None:
+    """A path the user gave, made absolute against the current directory once, at load time (so
+    that a later chdir or a library that insists on absolute paths cannot break it); URLs such as
+    gs://... are returned untouched."""
+    if path is None or "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def resolve_paths(cfg: RunConfig) -> RunConfig:
+    """The config with run_dir defaulted (runs/<name>) and every path made absolute."""
+    return dataclasses.replace(
+        cfg, run_dir=absolute(cfg.run_dir or str(Path("runs") / cfg.name)),
+        checkpoint=dataclasses.replace(cfg.checkpoint, directory=absolute(cfg.checkpoint.directory)),
+        data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path)))
 
 
 def validate(cfg: RunConfig) -> None:

@@ -41,10 +41,19 @@ class Preemption:
 
 def train(cfg: config_lib.RunConfig) -> int:
     """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
-    Raises checkpoint.SaveFailed (after closing what it opened) if a checkpoint save fails."""
+    A run whose checkpoints already reach train.steps is complete: it says so and returns 0
+    without touching anything. Raises checkpoint.SaveFailed (after closing what it opened) if a
+    checkpoint save fails; what the checkpoint library logs goes to run_dir/shardtrain.log."""
+    committed = checkpoint.committed_steps(cfg)
+    if committed and max(committed) >= cfg.train.steps:
+        if jax.process_index() == 0:
+            print(f"run {cfg.run_dir} is complete: checkpoint step {max(committed)} reaches train.steps="
+                  f"{cfg.train.steps}; nothing to do (raise train.steps to continue it)", flush=True)
+        return 0
     opened = []
     try:
-        return _train(cfg, opened)
+        with checkpoint.library_log(cfg):
+            return _train(cfg, opened)
     except checkpoint.SaveFailed:
         for thing in reversed(opened):
             thing.close()
@@ -127,6 +136,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     ckpt.wait()
     ckpt.close()
     metrics.close()
+    metrics.summary()
     preemption.close()
     return exit_code
 

@@ -99,6 +99,10 @@ class Metrics:
         self.file.close()
         if self.losses:
             self.plot()
+
+    def summary(self) -> None:
+        """The closing console line of a finished run."""
+        if self.main and self.losses:
             times = sorted(self.step_times)
             median = times[len(times) // 2]
             first, last = self.losses[0], self.losses[-1]

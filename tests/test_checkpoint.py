@@ -132,17 +132,24 @@ def test_failed_async_save_stops_the_run_and_keeps_good_steps(cfg_factory, monke
     assert os.path.exists(f"{prog.cfg.checkpoint_dir()}/1/commit_success.txt")  # max_to_keep=1 did not delete it
 
 
-def test_failed_async_save_stops_the_training_loop(cfg_factory, monkeypatch):
+def test_failed_async_save_stops_the_training_loop(cfg_factory, monkeypatch, capfd):
     cfg = cfg_factory(*TINY, "train.steps=8", "checkpoint.every_steps=2")
 
     async def disk_full(self):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
-    with pytest.raises(checkpoint.SaveFailed, match="saving checkpoint step 2 .* No space left"):
+    with pytest.raises(checkpoint.SaveFailed) as e:
         loop.train(cfg)
+    message = str(e.value)
+    assert "\n" not in message and "saving checkpoint step 2" in message and "No space left" in message
+    assert "newest committed checkpoint is step none yet" in message and "rerun the same command" in message
     logged = [json.loads(line)["step"] for line in Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines() if "loss" in line]
     assert max(logged) <= 4  # stopped at the next step boundary or save, not at the end
+    console = capfd.readouterr()
+    assert "Traceback" not in console.err + console.out and "done: step" not in console.out
+    log = Path(cfg.run_dir, checkpoint.LOG_FILE)
+    assert str(log) in message and "Traceback" in log.read_text() and "No space left" in log.read_text()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread niceness is Linux's")

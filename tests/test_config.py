@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from shardtrain import config
@@ -14,8 +16,8 @@ def test_demo_loads_with_overrides():
     assert cfg.optimizer.learning_rate == 0.01
 
 
-def test_default_run_dir_is_runs_config_name():
-    assert config.load("meshes/demo.yaml").run_dir == "runs/demo"
+def test_default_run_dir_is_runs_config_name_under_the_cwd():
+    assert config.load("meshes/demo.yaml").run_dir == os.path.abspath("runs/demo")
 
 
 def test_dump_round_trips(tmp_path):

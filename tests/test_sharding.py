@@ -34,7 +34,7 @@ def layout_text(cfg: config.RunConfig) -> str:
 @pytest.mark.parametrize("path", CONFIGS, ids=[Path(p).stem for p in CONFIGS])
 def test_golden_layout(path):
     """A sharding change is always a visible diff. Regenerate: UPDATE_GOLDEN=1 pytest tests/test_sharding.py"""
-    cfg = config.load(path, ["run_dir=runs/golden"])
+    cfg = config.load(path, ["run_dir=/runs/golden"])  # absolute: paths resolve against the cwd
     text, golden = layout_text(cfg), GOLDEN / (Path(path).stem + ".txt")
     if os.environ.get("UPDATE_GOLDEN"):
         GOLDEN.mkdir(exist_ok=True)
