@@ -1,9 +1,10 @@
 """The demo's step time on this CPU for each scale path (attention impl, scan unroll, embedding,
-loss chunk), interleaved in rounds so that machine load hits all alike.
+loss chunk). All variants are compiled first, then their steps alternate (A, B, C, ..., A, B, ...)
+so that the machine's load hits all alike.
 
-    python bench/cpu_paths.py [CONFIG] [--rounds 2] [--steps 15]
+    python bench/cpu_paths.py [CONFIG] [--steps 12]
 
-Prints the median s/step of each variant per round and overall. Figures: bench/README.md.
+Prints the median s/step of each variant and its ratio to the first. Figures: bench/README.md.
 """
 
 import os
@@ -20,7 +21,9 @@ import jax  # noqa: E402
 from shardtrain import config, loop, mesh as mesh_lib, step  # noqa: E402
 
 VARIANTS = {
-    "as before (unrolled, one-hot, xla)": ["train.scan_unroll=4", "model.embed=one_hot", "model.attention=xla"],
+    "as before (unrolled, one-hot, xla)": ["train.scan_unroll=4", "model.embed=one_hot", "model.attention=xla",
+                                           "train.loss_chunk=0"],
+    "new defaults (rolled, gather, auto)": [],
     "rolled scan": ["train.scan_unroll=1", "model.embed=one_hot", "model.attention=xla"],
     "gather embedding": ["train.scan_unroll=4", "model.embed=gather", "model.attention=xla"],
     "chunked attention": ["train.scan_unroll=4", "model.embed=one_hot", "model.attention=chunked"],
@@ -29,36 +32,31 @@ VARIANTS = {
 }
 
 
-def time_variant(path, overrides, steps):
+def prepare(path, overrides, steps):
     cfg = config.load(path, [f"train.steps={steps}", *overrides])
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-    compiled = prog.lower().compile()
-    batches = loop.bare_loop_batches(prog, steps)
-    state = prog.init(cfg.train.seed)
-    times = []
-    for batch in batches:
-        t = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        float(metrics["loss"])
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[3:])
+    return prog.lower().compile(), prog.init(cfg.train.seed), loop.bare_loop_batches(prog, steps)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("config", nargs="?", default="meshes/demo.yaml")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=12)
     a = ap.parse_args()
-    results = {name: [] for name in VARIANTS}
-    for r in range(a.rounds):
-        for name, overrides in VARIANTS.items():
-            results[name].append(time_variant(a.config, overrides, a.steps))
-            print(f"round {r}: {name}: {results[name][-1]:.3f} s/step (load {os.getloadavg()[0]:.1f})", flush=True)
-    base = statistics.median(results[next(iter(VARIANTS))])
-    for name, times in results.items():
-        m = statistics.median(times)
-        print(f"{name:40s} {m:.3f} s/step  x{m / base:.2f}  {jax.device_count()} devices")
+    runs = {name: prepare(a.config, overrides, a.steps) for name, overrides in VARIANTS.items()}
+    states = {name: run[1] for name, run in runs.items()}
+    times = {name: [] for name in VARIANTS}
+    for i in range(a.steps):
+        for name, (compiled, _, batches) in runs.items():
+            t = time.perf_counter()
+            states[name], metrics = compiled(states[name], batches[i])
+            float(metrics["loss"])
+            times[name].append(time.perf_counter() - t)
+    base = statistics.median(times[next(iter(VARIANTS))][2:])
+    print(f"{a.config} on {jax.device_count()} devices, load {os.getloadavg()[0]:.1f}, median of steps 3-{a.steps}:")
+    for name, ts in times.items():
+        m = statistics.median(ts[2:])
+        print(f"  {name:40s} {m:.3f} s/step  x{m / base:.2f}")
 
 
 if __name__ == "__main__":
