@@ -1,9 +1,9 @@
 """Async checkpoint cost and restore speed on 8 simulated CPU devices.
 
-    python bench/checkpoint.py                 # GPT D=512, 8 layers: ~400 MB of train state
-    python bench/checkpoint.py --d-model 256   # smaller and quicker
-    python bench/checkpoint.py --compare       # replica-parallel saving off vs on, in the same run
-    python bench/checkpoint.py --niceness 0    # writer threads at the train step's CPU priority
+    .venv/bin/python bench/checkpoint.py                 # GPT D=512, 8 layers: ~400 MB of train state
+    .venv/bin/python bench/checkpoint.py --d-model 256   # smaller and quicker
+    .venv/bin/python bench/checkpoint.py --compare       # replica-parallel saving off vs on, in the same run
+    .venv/bin/python bench/checkpoint.py --niceness 0    # writer threads at the train step's CPU priority
 
 Measures, all in one run so that the ratios share the machine's load:
   1. blocking fraction: the time `Checkpointer.save()` holds the training loop (async: until the

@@ -1,7 +1,7 @@
 """Bytes per step by mesh axis and final loss for each communication mode, on the demo config.
 
-    python bench/communication.py                   # meshes/demo.yaml, 60 steps per mode
-    python bench/communication.py --steps 20 --modes fp32 int8
+    .venv/bin/python bench/communication.py                   # meshes/demo.yaml, 60 steps per mode
+    .venv/bin/python bench/communication.py --steps 20 --modes fp32 int8
 
 8 simulated CPU devices in one process, mesh data=2 x fsdp=2 x tensor=2 (the demo). For each
 mode, in one run (so the step-time ratios share the machine's load):

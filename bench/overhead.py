@@ -1,16 +1,18 @@
 """The shardtrain loop's step time against calling the same compiled step in a bare Python loop.
 
-    python bench/overhead.py [CONFIG] [KEY=VALUE ...]     (default meshes/demo.yaml, 40 steps)
+    .venv/bin/python bench/overhead.py [CONFIG] [KEY=VALUE ...]     (default meshes/demo.yaml, 40 steps)
 
 Runs bare, loop three times, interleaved (same mesh, data and compiled program), and reports the
 median seconds per step of each and their ratio (goal <= 1.03). Ratios, not absolute times, are comparable on
 this noisy machine.
 """
 
+import argparse
 import os
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -47,9 +49,17 @@ def shardtrain_loop(cfg) -> float:
 
 
 def main():
-    path = sys.argv[1] if len(sys.argv) > 1 and "=" not in sys.argv[1] else "meshes/demo.yaml"
-    overrides = [a for a in sys.argv[1:] if "=" in a]
-    cfg = config.load(path, ["train.steps=40", "checkpoint.every_steps=1000", *overrides])
+    p = argparse.ArgumentParser(description="The shardtrain loop's step time against a bare loop of the same "
+                                "compiled step (3 interleaved rounds each).")
+    p.add_argument("config", nargs="?", default="meshes/demo.yaml", help="YAML config (default meshes/demo.yaml)")
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides (default train.steps=40)")
+    args = p.parse_args()
+    if "=" in args.config:  # only overrides were given
+        args.overrides, args.config = [args.config, *args.overrides], "meshes/demo.yaml"
+    try:
+        cfg = config.load(args.config, ["train.steps=40", "checkpoint.every_steps=1000", *args.overrides])
+    except config.ConfigError as e:
+        p.error(str(e))
     results = {"bare": [], "loop": []}
     for _ in range(3):
         results["bare"].append(bare(cfg))

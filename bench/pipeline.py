@@ -1,6 +1,6 @@
 """Pipeline schedules against micro-batch count: flops, step time, bubble and memory per device.
 
-    python bench/pipeline.py [--stages 4] [--steps 6] [KEY=VALUE ...]
+    .venv/bin/python bench/pipeline.py [--stages 4] [--steps 6] [KEY=VALUE ...]
 
 For each schedule (GPipe; circular with 2 repeats) and M in {P, 2P, 4P} it compiles the real
 train step (`step.build`) and reports, per device: flops per step (`compiled.cost_analysis()`,

@@ -8,7 +8,7 @@ round-robin (--rounds rounds of --steps steps each), keeping each mesh's fastest
 others then spreads over all meshes instead of landing on one. Times are also given relative to
 data=8 measured in the same run.
 
-    python bench/plan_accuracy.py [--rounds 3] [--steps 3] [overrides ...]  # writes bench/plan_accuracy.json
+    .venv/bin/python bench/plan_accuracy.py [--rounds 3] [--steps 3] [overrides ...]  # writes bench/plan_accuracy.json
 """
 
 import os

@@ -9,12 +9,13 @@
 #   SHARDTRAIN_CPU_DEVICES        total simulated CPU devices (default 8; N must divide it)
 #   SHARDTRAIN_HEARTBEAT_TIMEOUT  seconds before the others give up on a dead process (default 10)
 #   SHARDTRAIN_PORT               coordinator port (default: a free one)
-#   SHARDTRAIN_CMD                command to run (default: `shardtrain` on PATH, else python3 -m shardtrain.cli)
+#   SHARDTRAIN_CMD                command to run (default: this checkout's .venv/bin/shardtrain, made by
+#                                 `make venv` or `make train`, else `shardtrain` on PATH)
 #
 # Process 0 writes to this terminal as is (progress bar, metrics); the others' lines go to stderr
-# prefixed with "[process i]" (without gloo's "Rank r is connected" chatter). SIGTERM or Ctrl-C is forwarded to every process as SIGTERM, so all
-# save a checkpoint at the same step and exit 75; a second Ctrl-C kills them. Exits with the first
-# non-zero exit code of a process (0 when all succeed) and says which process failed first.
+# prefixed with "[process i]"; gloo's "[Gloo] Rank r is connected" chatter is dropped from both.
+# SIGTERM or Ctrl-C is forwarded to every process as SIGTERM, so all save a checkpoint at the same
+# step and exit 75; a second Ctrl-C kills them. Exits with the first non-zero exit code of a process (0 when all succeed) and says which process failed first.
 set -u
 
 usage() { echo "usage: $0 N CONFIG [KEY=VALUE ...]" >&2; exit 2; }
@@ -30,12 +31,16 @@ if ((total % n != 0)); then
 fi
 [ -f "$config" ] || { say "config file '$config' does not exist"; exit 2; }
 
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [ -n "${SHARDTRAIN_CMD:-}" ]; then
   read -r -a cmd <<<"$SHARDTRAIN_CMD"
+elif [ -x "$here/.venv/bin/shardtrain" ]; then  # the project's own environment (make venv / make train)
+  cmd=("$here/.venv/bin/shardtrain")
 elif command -v shardtrain >/dev/null 2>&1; then
   cmd=(shardtrain)
 else
-  cmd=(python3 -m shardtrain.cli)
+  say "no shardtrain found: run \`make venv\` (or \`make train\`) in $here first, or set SHARDTRAIN_CMD"
+  exit 2
 fi
 port=${SHARDTRAIN_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 flags=$(printf '%s' "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[^ ]*//g')
@@ -47,10 +52,11 @@ for ((i = 0; i < n; i++)); do
     SHARDTRAIN_HEARTBEAT_TIMEOUT="$heartbeat" JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" PYTHONUNBUFFERED=1
     XLA_FLAGS="$flags --xla_force_host_platform_device_count=$((total / n))"
     "${cmd[@]}" train "$config" "$@")
+  # gloo prints "[Gloo] Rank r is connected to k peer ranks. ..." per device (threads interleave them)
   if [ "$i" -eq 0 ]; then
-    "${run[@]}" &
+    "${run[@]}" > >(awk '/connected to [0-9]+ peer ranks/ { next } { print; fflush() }') &
   else
-    "${run[@]}" > >(awk -v p="[process $i] " '/^\[Gloo\] Rank [0-9]+ is connected/ { next } { print p $0; fflush() }' >&2) 2>&1 &
+    "${run[@]}" > >(awk -v p="[process $i] " '/connected to [0-9]+ peer ranks/ { next } { print p $0; fflush() }' >&2) 2>&1 &
   fi
   pids+=($!)
   say "process $i of $n: pid $!"

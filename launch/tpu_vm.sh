@@ -12,7 +12,8 @@
 #                   installed with apt when missing)
 #   --skip-install  the project is already installed on the workers: only start training
 #
-# Checkpoints must go to a directory every worker sees (checkpoint.directory=gs://BUCKET/...).
+# Checkpoints must go to a directory every worker sees (checkpoint.directory=gs://BUCKET/...); the
+# workers then get the project's `gcs` extra (gcsfs) and jax[tpu] at the version pyproject.toml names.
 # Metrics, TensorBoard and plots are written by process 0, on worker 0, under ~/shardtrain/runs/.
 set -euo pipefail
 
@@ -49,6 +50,26 @@ run() {
   if ((dry_run)); then show "$@"; else "$@"; fi
 }
 
+# What to install: jax[tpu] at the version pyproject.toml records, plus the gcs extra (gcsfs) when a
+# path the run reads or writes is gs:// (checkpoint.directory, data.path: in the YAML or the overrides).
+# Plain text parsing, so that --dry-run needs no Python environment: "section.key=value" per line of
+# a block-style YAML (a flow-style section becomes "section={...}"), then the overrides; last wins.
+settings() {
+  awk '/^[[:space:]]*(#|$)/ { next }
+    { sub(/[[:space:]]+#.*$/, "") }
+    /^[^[:space:]][^:]*:/ { section = $0; sub(/:.*/, "", section); value = $0; sub(/^[^:]*:[[:space:]]*/, "", value)
+                             if (value != "") print section "=" value; next }
+    /^[[:space:]]+[^:]+:/ { key = $0; sub(/^[[:space:]]+/, "", key); sub(/:.*/, "", key)
+                            value = $0; sub(/^[^:]*:[[:space:]]*/, "", value); print section "." key "=" value }' "$here/$config"
+  printf '%s\n' "$@"
+}
+needs_gcs=$(settings "$@" | awk '/=/ { value[substr($0, 1, index($0, "=") - 1)] = substr($0, index($0, "=") + 1) }
+  END { for (k in value) if (value[k] ~ /gs:\/\//) gcs = 1; print gcs + 0 }')
+jax_version=$(sed -n 's/^[[:space:]]*"jax>=\([0-9][0-9.]*\)".*/\1/p' "$here/pyproject.toml")
+[ -n "$jax_version" ] || { echo "no jax>=VERSION line in $here/pyproject.toml" >&2; exit 2; }
+project_spec=.
+((needs_gcs)) && project_spec="'.[gcs]'"
+
 tpu=(gcloud compute tpus tpu-vm)
 where=(--zone "$zone" --worker=all ${project[@]+"${project[@]}"})
 train=$(printf '%q ' .venv/bin/shardtrain train "$config" "$@")
@@ -60,7 +81,7 @@ if ((install)); then
   setup="set -e; command -v $python >/dev/null || { sudo apt-get update -q && sudo apt-get install -y -q $python $python-venv; }"
   setup+="; rm -rf ~/shardtrain/shardtrain ~/shardtrain/models && mkdir -p ~/shardtrain && tar xzf ~/shardtrain.tar.gz -C ~/shardtrain"
   setup+="; cd ~/shardtrain && { [ -x .venv/bin/python ] || $python -m venv .venv; }"
-  setup+="; .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e . 'jax[tpu]'"
+  setup+="; .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e $project_spec 'jax[tpu]==$jax_version'"
   run "${tpu[@]}" ssh "$name" "${where[@]}" --command "$setup"
 fi
 run "${tpu[@]}" ssh "$name" "${where[@]}" --command "cd ~/shardtrain && ${train% }"

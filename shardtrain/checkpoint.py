@@ -34,6 +34,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -157,6 +158,56 @@ def lower_writer_priority(niceness: int) -> None:
             pass
 
 
+_TS_READ = re.compile(r'Error reading "(?P<key>[^"]+)" in OCDBT database at \w+ file "(?P<db>[^"]+)": (?P<why>[^;\[]*)')
+_TS_SIZE = re.compile(r"byte range \[(?P<a>\d+), (?P<b>\d+)\) is not valid for value of size (?P<size>\d+)")
+STEP_FILES = ("_CHECKPOINT_METADATA", "meta/metadata", "state/_METADATA", "state/manifest.ocdbt")
+"""Files every committed step holds (orbax 0.12, OCDBT format); the JSON ones are parsed to find damage."""
+
+
+def read_error(e: BaseException, step_dir: epath.Path) -> str:
+    """One line naming the file of a checkpoint step that failed to read, and why. tensorstore's
+    own message wraps the cause in a repr of the whole TensorStore spec; the useful part (array,
+    database, byte range) is the innermost exception of the chain, and the damaged file is found by
+    looking at the step's files (missing, unparsable, or of the size tensorstore complains about)."""
+    chain = [e]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
+        chain.append(nxt)
+    inner = next((x for x in reversed(chain) if _TS_READ.search(str(x))), chain[-1])
+    text = " ".join(str(inner).split()).split(" See full TensorStore details")[0].split(" [tensorstore_spec=")[0]
+    read, size = _TS_READ.search(text), _TS_SIZE.search(text)
+    damaged = damaged_files(step_dir, int(size["size"]) if size else None)
+    if read:
+        detail = f"array {read['key']} does not read back ({(size[0] if size else read['why']).strip()})"
+        if not damaged:
+            damaged = [f"a data file under {read['db'].rstrip('/')}/ocdbt.process_*/d is missing or damaged"]
+    else:
+        detail = f"{type(inner).__name__}: {text[:200]}"
+    return f"{'; '.join(damaged)}: {detail}" if damaged else f"{detail} (in {step_dir})"
+
+
+def damaged_files(step_dir: epath.Path, size: int | None = None) -> list[str]:
+    """The files of a local step directory that are missing, not valid JSON, or truncated (empty,
+    or of exactly `size` bytes: the size tensorstore found a value's byte range beyond)."""
+    root = Path(str(step_dir))
+    if str(step_dir).startswith("gs://") or not root.is_dir():
+        return []
+    found = []
+    for rel in STEP_FILES:
+        f = root / rel
+        if not f.is_file():
+            found.append(f"{f} is missing")
+        elif not rel.endswith(".ocdbt"):
+            try:
+                json.loads(f.read_text())
+            except ValueError:
+                found.append(f"{f} is not valid JSON (truncated?)")
+    for f in sorted(root.glob("state/ocdbt.process_*/d/*")):
+        n = f.stat().st_size
+        if n == 0 or n == size:
+            found.append(f"{f} is truncated ({n} bytes)")
+    return found
+
+
 class Checkpointer:
     def __init__(self, prog: Program, replica_parallel: bool | None = None):
         """replica_parallel: split the writing of replicated arrays among their replicas;
@@ -180,6 +231,10 @@ class Checkpointer:
     def restore(self, step: int) -> tuple[dict, dict]:
         """The state (already in this run's shardings) and metadata saved at `step`. Raises
         ConfigError if the checkpoint does not fit the model, another exception if unreadable."""
+        with draining_event_loops():
+            return self._restore(step)
+
+    def _restore(self, step: int) -> tuple[dict, dict]:
         saved = self.manager.item_metadata(step)["state"]
         if saved is None:
             raise FileNotFoundError("its array metadata (state/_METADATA) is missing")
@@ -192,11 +247,10 @@ class Checkpointer:
                 f"checkpoint step {step} in {self.dir} does not fit this config's model "
                 f"({len(bad)} mismatching paths):\n  " + "\n  ".join(bad[:30]) + hint +
                 "\nResume with the config it was written with, or use another run_dir / checkpoint.directory.")
-        with draining_event_loops():
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    self.prog.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.prog.abstract_state)),
-                meta=ocp.args.JsonRestore()))
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                self.prog.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.prog.abstract_state)),
+            meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
     def restore_latest(self, say=print) -> tuple[dict, dict] | None:
@@ -213,8 +267,7 @@ class Checkpointer:
             except config_lib.ConfigError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure makes the step unusable
-                lines = str(e).strip().splitlines()
-                error = f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+                error = read_error(e, epath.Path(self.dir) / str(step))
             if everyone(error is None):
                 for bad, reason in failed:
                     self.set_aside(bad, reason)
@@ -239,7 +292,8 @@ class Checkpointer:
                 target = root / UNUSABLE_DIR / f"{step}-{time.time_ns()}"
             target.parent.mkdir(parents=True, exist_ok=True)
             (root / str(step)).rename(target)
-            (target / "UNUSABLE.txt").write_text(reason + "\n")
+            moved = reason.replace(f"{root / str(step)}/", f"{target}/")  # name the files where they now are
+            (target / "UNUSABLE.txt").write_text(moved + "\n")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"shardtrain set aside {step}")
@@ -390,6 +444,9 @@ def list_main(run_dir: str) -> int:
     """`shardtrain ckpt RUN_DIR`: one line per checkpoint step."""
     if not epath.Path(run_dir).exists():
         raise config_lib.ConfigError(f"run directory '{run_dir}' does not exist")
+    if not epath.Path(run_dir).is_dir():
+        raise config_lib.ConfigError(f"'{run_dir}' is a file; pass the run directory (the run_dir of a training, "
+                                     f"e.g. runs/demo) or its checkpoint directory")
     ckpt_dir = checkpoint_dir_of(run_dir)
     steps = scan(ckpt_dir)
     if not steps:

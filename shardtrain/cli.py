@@ -29,6 +29,9 @@ def mesh_devices(cfg: config_lib.RunConfig) -> int:
 
 def cmd_train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
+    config_lib.prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
+    if not cfg.checkpoint_dir().startswith("gs://"):
+        config_lib.prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import checkpoint, loop
     distributed.initialize()
@@ -41,6 +44,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    if args.devices is not None and args.devices < 1:
+        raise config_lib.ConfigError(f"--devices: must be a positive device count, e.g. --devices 8; got {args.devices}")
     cfg = config_lib.load(args.config, args.overrides)
     simulated_devices(args.devices or mesh_devices(cfg))
     from shardtrain import plan

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -147,7 +148,8 @@ class TrainConfig:
     compile_cache: bool = True
     """JAX persistent compilation cache under ~/.cache/shardtrain/jax."""
     profile_steps: Optional[tuple[int, int]] = None
-    """[first, last] steps to trace with jax.profiler into run_dir/profile."""
+    """[first, last] steps to trace with jax.profiler into run_dir/profile (step numbers as in
+    metrics.jsonl: 1 <= first <= last <= steps; a resumed run traces the part still ahead)."""
     microbatches: Optional[int] = None
     """Pipeline micro-batches M per (accumulation) step; default: the largest M <= 4 x pipeline
     stages that divides each data replica's rows."""
@@ -283,19 +285,61 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML
+    would silently keep the last value)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):
+                continue  # PyYAML itself reports an unhashable key
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (YAML would keep only the last one; remove the other)",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(p: Path) -> dict:
+    """A config file's top-level mapping; every way a file can be unusable is one ConfigError line."""
+    if p.is_dir():
+        raise ConfigError(f"config '{p}' is a directory, not a YAML file; pass a file such as meshes/demo.yaml")
+    if not p.exists():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file '{p}' cannot be read: {e}") from None
+    if not text.strip():
+        raise ConfigError(f"config file '{p}' is empty; give at least one section, e.g. copy meshes/demo.yaml")
+    try:
+        tree = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+        what = " ".join(x for x in (e.context, e.problem) if x)
+        kind = "" if what.startswith("duplicate key") else "YAML syntax error: "
+        raise ConfigError(f"{where}: {kind}{what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: YAML syntax error: {' '.join(str(e).split())}") from None
+    if tree is None:
+        raise ConfigError(f"config file '{p}' holds only comments; give at least one section, e.g. copy meshes/demo.yaml")
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections (mesh:, model:, ...) at the top level, "
+                          f"got {type(tree).__name__}")
+    return tree
+
+
 def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
     """Loads a YAML config (or the defaults) and applies `key=value` overrides (YAML values)."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{path}' does not exist")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: YAML syntax error: {e}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
+        tree = read_yaml(p)
         tree.setdefault("name", p.stem)
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -346,6 +390,12 @@ def validate(cfg: RunConfig) -> None:
                         ("train.scan_unroll", t.scan_unroll)]:
         if value < 1:
             raise ConfigError(f"{name}: must be >= 1, got {value}")
+    if t.profile_steps is not None:
+        first, last = t.profile_steps
+        if not 1 <= first <= last <= t.steps:
+            raise ConfigError(f"train.profile_steps: [{first}, {last}] must be [first, last] steps with "
+                              f"1 <= first <= last <= train.steps={t.steps}, e.g. [{min(3, t.steps)}, {min(5, t.steps)}]")
+    validate_optimizer(cfg.optimizer)
     if not 0 <= cfg.checkpoint.writer_niceness <= 19:
         raise ConfigError(f"checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), "
                           f"got {cfg.checkpoint.writer_niceness}")
@@ -373,6 +423,39 @@ def validate(cfg: RunConfig) -> None:
             if axis not in MESH_AXES:
                 raise ConfigError(f"rules.{logical.name}: unknown mesh axis '{axis}'; "
                                   f"mesh axes: {', '.join(MESH_AXES)}")
+
+
+def validate_optimizer(o: OptimizerConfig) -> None:
+    for name, ok, want in [
+        ("learning_rate", o.learning_rate > 0, "> 0, e.g. 3e-3"),
+        ("b1", 0 <= o.b1 < 1, "in [0, 1), e.g. 0.9"),
+        ("b2", 0 <= o.b2 < 1, "in [0, 1), e.g. 0.95"),
+        ("weight_decay", o.weight_decay >= 0, ">= 0 (0 turns it off)"),
+        ("grad_clip", o.grad_clip > 0, "> 0, e.g. 1.0"),
+        ("warmup_steps", o.warmup_steps >= 0, ">= 0"),
+        ("decay_steps", o.decay_steps is None or o.decay_steps >= 1, ">= 1 (or null: train.steps)"),
+        ("min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+    ]:
+        if not ok:
+            raise ConfigError(f"optimizer.{name}: must be {want}, got {getattr(o, name)}")
+
+
+def prepare_dir(path: str, field_name: str) -> None:
+    """Creates a local output directory and checks that it can be written, so that a run_dir that
+    is a file or read-only stops before anything is compiled. gs:// paths are left to orbax."""
+    if path.startswith("gs://"):
+        return
+    p = Path(path)
+    blocker = next((q for q in [p, *p.parents] if q.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ConfigError(f"{field_name}={path}: '{blocker}' is a file, not a directory; pick another {field_name}")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{field_name}={path}: cannot write there ({e.strerror or e}); "
+                          f"pick a directory you can write, e.g. {field_name}=/tmp/run") from None
 
 
 def dump(cfg: RunConfig) -> str:

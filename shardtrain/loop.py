@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from shardtrain import checkpoint, config as config_lib, data, mesh as mesh_lib, step as step_lib
+from shardtrain import checkpoint, config as config_lib, data, mesh as mesh_lib, pipeline, step as step_lib
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
@@ -37,6 +37,27 @@ class Preemption:
             from jax.experimental import multihost_utils
             return multihost_utils.reached_preemption_sync_point(step)
         return self.requested
+
+
+def mode_line(cfg: config_lib.RunConfig, mesh) -> str:
+    """One console line with what this run does: mesh, remat, dtypes, gradient communication, pipeline."""
+    t = cfg.train
+    axes = ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
+    dcn = ",".join(f"{a}={getattr(cfg.mesh.dcn, a)}" for a in config_lib.MESH_AXES if getattr(cfg.mesh.dcn, a) > 1)
+    if t.sync == "local_sgd":
+        comm = (f"local SGD over {','.join(t.sync_axes)}, sync every {t.sync_every} steps in {t.grad_reduce_dtype} "
+                f"(outer lr {t.outer_learning_rate}, momentum {t.outer_momentum})")
+    else:
+        comm = f"gradients reduced every step in {t.grad_reduce_dtype}"
+    stages = mesh.shape.get("pipeline", 1)
+    if stages > 1:
+        repeats = f", {t.pipeline_repeats} repeats" if t.pipeline_schedule == "circular" else ""
+        pipe = f"pipeline {t.pipeline_schedule}, {stages} stages, {pipeline.microbatches(cfg, mesh)} micro-batches{repeats}"
+    else:
+        pipe = "no pipeline"
+    accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
+    return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}, "
+            f"params {t.param_dtype}; {comm}; {pipe}{accum}")
 
 
 def train(cfg: config_lib.RunConfig) -> int:
@@ -71,6 +92,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
         (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
         print(f"shardtrain: {cfg.model.name} {n_params / 1e6:.2f}M params on {jax.device_count()} "
               f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; compiling...", flush=True)
+        print(mode_line(cfg, mesh), flush=True)
 
     preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
     t0 = time.perf_counter()
@@ -108,16 +130,19 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
             metrics.log(pending[0], values, now - last_done)
             last_done, pending = now, None
 
+    tracing = False  # steps profile[0]..profile[1] (1-based) run inside a jax.profiler trace
     for i, local_batch in data.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps):
-        if profile and i == profile[0]:
+        if profile and not tracing and profile[0] <= i + 1 <= profile[1]:
             jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
+            tracing = True
         batch = jax.make_array_from_process_local_data(prog.batch_sharding, local_batch, global_shape)
         state, step_metrics = compiled(state, batch)
         finish_pending()
         pending = (i + 1, step_metrics)
-        if profile and i == profile[1]:
+        if tracing and i + 1 == profile[1]:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
+            tracing = False
         done = i + 1
         if preemption.reached(done):
             finish_pending()
@@ -133,6 +158,8 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
             last_done = time.perf_counter()  # the save's blocking part is not a step's time
         ckpt.check()  # a failed async save raises checkpoint.SaveFailed at the next step boundary
     finish_pending()
+    if tracing:  # preempted inside the traced steps
+        jax.profiler.stop_trace()
     ckpt.wait()
     ckpt.close()
     metrics.close()

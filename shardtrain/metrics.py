@@ -108,6 +108,10 @@ class Metrics:
             first, last = self.losses[0], self.losses[-1]
             print(f"done: step {last[0]}, loss {first[1]:.3f} -> {last[1]:.3f}, median step {median:.3f} s, "
                   f"{self.tokens_per_step / median:.0f} tokens/s; run dir {self.dir}")
+            profile = self.dir / "profile"
+            traced = self.cfg.train.profile_steps is not None and profile.is_dir()
+            print(f"loss plot: {self.dir / 'loss.png'}" +
+                  (f"; profile: {profile} (tensorboard --logdir {profile}, or XProf)" if traced else ""))
 
     def plot(self) -> None:
         """loss.png from the whole metrics.jsonl (so a resumed run plots all of it)."""

@@ -153,10 +153,12 @@ def no_fit_message(cfg: RunConfig, rows: list[Row], n: int, limit: float, chip: 
     m = r.report["memory_per_device_bytes"]
     activations = m["total"] - m["params"] - m["optimizer"]
     room = limit - m["params"] - m["optimizer"]
-    batch = cfg.train.global_batch_size * room / activations if activations > 0 else 0
+    batch = int(cfg.train.global_batch_size * room / activations) if activations > 0 else 0
+    rows_per_step = r.mesh["data"] * r.mesh["fsdp"]  # the smallest batch this mesh can split
+    fix = (f"or train.global_batch_size <= about {batch}" if batch >= rows_per_step else
+           "or a shorter data.seq_len; even one sequence per device does not fit, so a smaller batch alone will not do")
     return (f"{head}: the smallest total is {plan.gib(m['total'])} on mesh {plan.mesh_label(r.mesh)}, of which "
-            f"{plan.gib(activations)} is batch and activations; try train.remat=full, train.grad_accum_steps, "
-            f"or train.global_batch_size <= about {int(batch)}")
+            f"{plan.gib(activations)} is batch and activations; try train.remat=full, train.grad_accum_steps, {fix}")
 
 
 def format_table(result: dict) -> str:
@@ -178,6 +180,9 @@ def format_table(result: dict) -> str:
                      f"{plan.gib(r['memory_per_device_bytes']['total']):>14}"
                      f"{plan.gib(r['comm_traffic_bytes_per_device']):>14}{e['step_time_s'] * 1e3:>10.2f}ms"
                      f"{e['mfu']:>8.1%}  {e['bottleneck']}")
+    if result["rejected"]:
+        lines.append("rejected (the model's dimensions or the batch do not split over these axes):")
+        lines += [f"     {plan.mesh_label(r['mesh']):<28}{r['reason']}" for r in result["rejected"]]
     return "\n".join(lines)
 
 

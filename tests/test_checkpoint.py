@@ -73,7 +73,9 @@ def test_truncated_and_deleted_files_fall_back_to_newest_good_step(cfg_factory, 
         f"moved it to {root}/unusable/6 and fell back to step 2")
     assert said[2].startswith("checkpoint step 4 is unusable (") and "_METADATA" in said[2]
     assert ckpt.manager.all_steps() == [2]
-    assert "Encountered error while reading" in Path(f"{root}/unusable/6/UNUSABLE.txt").read_text()
+    assert said[1].startswith(f"checkpoint step 6 is unusable ({big} is truncated (")  # names the damaged file
+    aside = Path(f"{root}/unusable/6/UNUSABLE.txt").read_text()  # what `shardtrain ckpt` shows
+    assert aside.startswith(f"{root}/unusable/6/state/ocdbt.process_0/d/{Path(big).name} is truncated (")
     # New saves of the same step numbers work; the bad ones stay aside, never deleted.
     for s in (4, 6):
         ckpt.save(s, state)
@@ -94,7 +96,7 @@ def test_no_readable_checkpoint_stops_without_moving_anything(cfg_factory):
     save_steps(prog, [2])
     root = prog.cfg.checkpoint_dir()
     os.remove(f"{root}/2/meta/metadata")
-    with pytest.raises(config.ConfigError, match="(?s)none of the committed checkpoints .* step 2: FileNotFoundError.*Nothing was moved"):
+    with pytest.raises(config.ConfigError, match="(?s)none of the committed checkpoints .* step 2: [^\\n]*/2/meta/metadata is missing.*Nothing was moved"):
         checkpoint.Checkpointer(prog).restore_latest(say=lambda _: None)
     assert sorted(os.listdir(root)) == ["2"]
 
@@ -247,3 +249,27 @@ def test_restored_state_is_bitwise_the_saved_one_on_another_mesh(cfg_factory):
     for a, b, s in zip(jax.tree.leaves(state), jax.tree.leaves(restored), jax.tree.leaves(other.state_shardings)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert b.sharding == s
+
+
+def test_damaged_step_messages_name_the_file(cfg_factory):
+    """The reason a step is unusable names the damaged file, not tensorstore's repr of its spec."""
+    prog = program(cfg_factory, "checkpoint.max_to_keep=10")
+    save_steps(prog, [1, 2, 3, 4])
+    root = Path(prog.cfg.checkpoint_dir())
+    big = max(glob.glob(f"{root}/1/state/ocdbt.process_0/d/*"), key=os.path.getsize)
+    os.truncate(big, os.path.getsize(big) // 2)
+    os.remove(root / "2/state/manifest.ocdbt")
+    os.truncate(root / "3/state/_METADATA", 100)
+    for f in glob.glob(f"{root}/4/state/ocdbt.process_0/d/*"):
+        os.remove(f)
+    ckpt = checkpoint.Checkpointer(prog)
+    expected = {1: f"{big} is truncated (", 2: f"{root}/2/state/manifest.ocdbt is missing",
+                3: f"{root}/3/state/_METADATA is not valid JSON",
+                4: f"a data file under {root}/4/state/ocdbt.process_*/d is missing or damaged: array "}
+    for step, message in expected.items():
+        with pytest.raises(Exception) as e:
+            ckpt.restore(step)
+        reason = checkpoint.read_error(e.value, root / str(step))
+        assert reason.startswith(message), reason
+        assert "pybind11" not in reason and "TensorStore({" not in reason and "\n" not in reason
+    ckpt.close()

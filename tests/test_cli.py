@@ -65,3 +65,53 @@ def test_demo_config_trains_on_text(tmp_path):
     assert "name: demo" in (run_dir / "config.yaml").read_text()
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert list(Path(run_dir / "profile").rglob("*.xplane.pb"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "meshes/demo.yaml", "train.profile_steps=[12,10]"], "train.profile_steps: [12, 10] must be [first, last]"),
+    (["train", "meshes/demo.yaml", "optimizer.learning_rate=-1"], "optimizer.learning_rate: must be > 0"),
+    (["train", "{tmp}"], "is a directory, not a YAML file"),
+    (["train", "{tmp}/empty.yaml"], "config file '{tmp}/empty.yaml' is empty"),
+    (["train", "meshes/demo.yaml", "run_dir={tmp}/empty.yaml"], "'{tmp}/empty.yaml' is a file, not a directory"),
+    (["train", "meshes/demo.yaml", "run_dir={tmp}/r", "checkpoint.directory={tmp}/empty.yaml/c"],
+     "checkpoint.directory={tmp}/empty.yaml/c: '{tmp}/empty.yaml' is a file"),
+    (["ckpt", "{tmp}/empty.yaml"], "'{tmp}/empty.yaml' is a file; pass the run directory"),
+    (["plan", "meshes/demo.yaml", "--devices", "-8"], "--devices: must be a positive device count"),
+    (["plan", "meshes/demo.yaml", "--devices", "0"], "--devices: must be a positive device count"),
+])
+def test_newcomer_mistakes_exit_2_with_one_line_before_training(capsys, tmp_path, argv, message):
+    (tmp_path / "empty.yaml").write_text("")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if argv[0] == "train" and not any(a.startswith("run_dir=") for a in argv):
+        argv.append(f"run_dir={tmp_path / 'run'}")
+    code, err = run_cli(capsys, *argv)
+    assert code == 2 and message.format(tmp=tmp_path) in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_profile_range_partly_behind_a_resumed_run_traces_the_rest(tmp_path):
+    """A resumed run whose profile range started before the resume point traces the steps still ahead
+    (it used to call stop_trace without a trace: `RuntimeError: No profile started`)."""
+    from shardtrain import config, loop
+    tiny = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16", "data.source=synthetic",
+            "train.global_batch_size=8", "train.compile_cache=false", f"run_dir={tmp_path}"]
+    assert loop.train(config.load("meshes/demo.yaml", [*tiny, "train.steps=2"])) == 0
+    assert loop.train(config.load("meshes/demo.yaml", [*tiny, "train.steps=4", "train.profile_steps=[1, 3]"])) == 0
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ([], "mode: mesh data=2,fsdp=2,tensor=2; remat none; compute float32, params float32; "
+         "gradients reduced every step in float32; no pipeline"),
+    (["mesh.data=1", "mesh.pipeline=2", "train.remat=full", "train.compute_dtype=bfloat16", "train.grad_accum_steps=2"],
+     "mode: mesh pipeline=2,fsdp=2,tensor=2; remat full; compute bfloat16, params float32; "
+     "gradients reduced every step in float32; pipeline gpipe, 2 stages, 8 micro-batches; 2 accumulation steps"),
+    (["train.sync=local_sgd", "train.sync_every=4"],
+     "local SGD over data, sync every 4 steps in float32 (outer lr 1.0, momentum 0.0)"),
+])
+def test_start_of_a_run_says_its_mode_in_one_line(overrides, line):
+    from shardtrain import config, loop, mesh as mesh_lib
+    cfg = config.load("meshes/demo.yaml", overrides)
+    assert line in loop.mode_line(cfg, mesh_lib.make_mesh(cfg.mesh))

@@ -52,10 +52,62 @@ def test_bad_input_names_the_field(override, message):
 def test_yaml_syntax_error(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("mesh:\n  data: [2\n")
-    with pytest.raises(ConfigError, match="bad.yaml: YAML syntax error"):
+    with pytest.raises(ConfigError, match=r"bad.yaml:3:1: YAML syntax error"):
         config.load(str(bad))
 
 
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="config file 'nope.yaml' does not exist"):
         config.load("nope.yaml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.profile_steps=[12, 10]", "train.profile_steps: [12, 10] must be [first, last] steps with 1 <= first <= last"),
+    ("train.profile_steps=[0, 2]", "train.profile_steps: [0, 2] must be"),
+    ("train.profile_steps=[190, 201]", "last <= train.steps=200"),
+    ("optimizer.learning_rate=-1", "optimizer.learning_rate: must be > 0"),
+    ("optimizer.learning_rate=0", "optimizer.learning_rate: must be > 0"),
+    ("optimizer.b1=1", "optimizer.b1: must be in [0, 1)"),
+    ("optimizer.b2=-0.1", "optimizer.b2: must be in [0, 1)"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay: must be >= 0"),
+    ("optimizer.grad_clip=0", "optimizer.grad_clip: must be > 0"),
+    ("optimizer.warmup_steps=-1", "optimizer.warmup_steps: must be >= 0"),
+    ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio: must be in [0, 1]"),
+    ("optimizer.decay_steps=0", "optimizer.decay_steps: must be >= 1"),
+])
+def test_invalid_values_are_refused_at_load(override, message):
+    with pytest.raises(ConfigError) as e:
+        config.load("meshes/demo.yaml", [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "config file '{p}' is empty"),
+    ("# only a comment\n", "config file '{p}' holds only comments"),
+    ("mesh:\n  fsdp: [2\n", "{p}:3:1: YAML syntax error: while parsing a flow sequence expected ',' or ']'"),
+    ("mesh:\n  data: 2\ntrain:\n  steps: 3\nmesh:\n  fsdp: 2\n", "{p}:5:1: duplicate key 'mesh'"),
+    ("train:\n  steps: 3\n  steps: 4\n", "{p}:3:3: duplicate key 'steps'"),
+    ("- a\n- b\n", "{p}: expected a mapping of sections"),
+])
+def test_unusable_config_files_name_the_file(tmp_path, text, message):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        config.load(str(p))
+    assert message.format(p=p) in str(e.value) and "\n" not in str(e.value)
+    assert "<unicode string>" not in str(e.value)
+
+
+def test_a_directory_as_config_says_so(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        config.load(str(tmp_path))
+
+
+def test_run_dir_that_is_a_file_or_unwritable_is_refused(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match=f"run_dir={tmp_path}/f/run: '{tmp_path}/f' is a file, not a directory"):
+        config.prepare_dir(str(tmp_path / "f" / "run"), "run_dir")
+    with pytest.raises(ConfigError, match="run_dir=/proc/shardtrain-run: cannot write there"):
+        config.prepare_dir("/proc/shardtrain-run", "run_dir")
+    config.prepare_dir(str(tmp_path / "new" / "run"), "run_dir")
+    assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())

@@ -222,3 +222,28 @@ def test_cli_bad_input_exits_2_with_the_fix(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "does not divide the 6 devices" in run.stderr and "--search --devices 6" in run.stderr
+
+
+def test_search_table_lists_each_rejected_mesh_with_its_reason():
+    row = {"mesh": {"data": 8, "pipeline": 1, "fsdp": 1, "tensor": 1}, "microbatches": None, "status": "no fit (state)",
+           "state_bytes_per_device": 2 ** 20, "report": None}
+    rejected = [{"mesh": {"data": 1, "pipeline": 8, "fsdp": 1, "tensor": 1}, "reason": "model.n_layers=2 is not a multiple of 8 stages"},
+                {"mesh": {"data": 1, "pipeline": 1, "fsdp": 1, "tensor": 8}, "reason": "kv_heads of size 4 is not divisible by tensor = 8"}]
+    table = search.format_table({"devices": 8, "chip": "cpu", "memory_limit_bytes": 2 ** 30, "rows": [row],
+                                 "rejected": rejected}).splitlines()
+    assert "2 factorisations rejected" in table[0]
+    assert table[-2].split() == ["1x8x1x1", "model.n_layers=2", "is", "not", "a", "multiple", "of", "8", "stages"]
+    assert table[-1].startswith("     1x1x1x8") and table[-1].endswith("not divisible by tensor = 8")
+
+
+@pytest.mark.parametrize("activations, hint", [(2 ** 20, "train.global_batch_size <= about 16"),
+                                               (2 ** 30, "even one sequence per device does not fit")])
+def test_no_fit_hint_never_suggests_a_batch_below_one_row_per_device(activations, hint):
+    cfg = small_cfg("mlp", (2, 2, 2))  # global batch 8 (SMALL)
+    params, opt = 2 ** 20, 2 ** 21
+    limit = params + opt + 2 * 2 ** 20  # room for twice the activations of the first case
+    report = {"fits": False, "memory_per_device_bytes": {"total": params + opt + activations, "params": params,
+                                                          "optimizer": opt}}
+    row = search.Row({"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}, None, "ranked", report, params + opt)
+    message = search.no_fit_message(cfg, [row], 8, limit, chips.CHIPS["v5e"])
+    assert hint in message and "about 0" not in message
