@@ -1,4 +1,4 @@
-"""`shardtrain train | plan | ckpt`. Mistakes in user input exit 2 with one message, no traceback."""
+"""`shardtrain train | plan | prepare | eval | ckpt`. Mistakes in user input exit 2 with one message, no traceback."""
 
 from __future__ import annotations
 
@@ -52,6 +52,22 @@ def cmd_plan(args) -> int:
     return plan.main(cfg, args)
 
 
+def cmd_prepare(args) -> int:
+    from shardtrain import prepare
+    opts = prepare.Options(tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,
+                           eval_fraction=args.eval_fraction, eos=args.eos)
+    prepare.prepare(args.inputs, opts, workers=args.workers)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    cfg = config_lib.load(args.config, args.overrides)
+    simulated_devices(DEFAULT_CPU_DEVICES)
+    from shardtrain import evaluate
+    distributed.initialize()
+    return evaluate.main(cfg, args.checkpoint)
+
+
 def cmd_ckpt(args) -> int:
     from shardtrain import checkpoint
     return checkpoint.list_main(args.run_dir)
@@ -82,6 +98,20 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--write", metavar="YAML", help="with --search: write the best mesh as a config")
     pl.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory per device instead of the chip's")
     pl.set_defaults(func=cmd_plan)
+    pr = sub.add_parser("prepare", help="tokenize text / JSONL / Parquet into shards for data.source=tokens")
+    pr.add_argument("inputs", nargs="+", help="files, directories or globs (.jsonl, .parquet, else plain text)")
+    pr.add_argument("--tokenizer", required=True, help="a tokenizer.json, a directory holding one, or `bytes`")
+    pr.add_argument("--out", required=True, help="output directory (rerun the same command to resume)")
+    pr.add_argument("--text-field", default="text", help="JSONL key / Parquet column of the text (default: text)")
+    pr.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of documents held out as `eval`")
+    pr.add_argument("--eos", default=None, help="EOS token when the tokenizer has none of <eos> </s> <|endoftext|>")
+    pr.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU, at most one per file)")
+    pr.set_defaults(func=cmd_prepare)
+    ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out split")
+    ev.add_argument("config", help="the run's YAML config")
+    ev.add_argument("checkpoint", help="a run dir, its checkpoints/ dir (newest step) or one step's dir")
+    ev.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. train.eval_steps=20")
+    ev.set_defaults(func=cmd_eval)
     c = sub.add_parser("ckpt", help="list a run's checkpoints")
     c.add_argument("run_dir")
     c.set_defaults(func=cmd_ckpt)

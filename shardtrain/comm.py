@@ -202,8 +202,9 @@ def build(cfg: RunConfig, mesh: Mesh, base: Base) -> tuple[dict, Callable, Calla
     batch_spec = P(axes, *sharding.spec_for(("batch", None), constrain.rules, mesh))
     batch_sharding = NamedSharding(mesh, batch_spec)
 
-    def split_batch(tokens_bt):  # (B, T+1) -> (R, B/R, T+1): replica r's rows already sit on its devices
-        return jax.lax.with_sharding_constraint(tokens_bt.reshape(n, -1, tokens_bt.shape[-1]), batch_sharding)
+    def split_batch(batch):  # (B, T+1) -> (R, B/R, T+1) per field: replica r's rows already sit on its devices
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x.reshape(n, -1, x.shape[-1]), batch_sharding), batch)
 
     make = local_sgd_step if cfg.train.sync == "local_sgd" else reduced_step
     return make(cfg, mesh, base, axes, base.make_loss_and_grads(constrain), split_batch)

@@ -99,12 +99,29 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class MixtureEntry:
+    """One dataset of a mixture: a `shardtrain prepare` output directory and its sampling weight."""
+
+    path: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    source: Literal["text", "synthetic"] = "text"
-    """`text`: byte tokens of the files under `path`; `synthetic`: seeded learnable sequences."""
+    source: Literal["text", "synthetic", "tokens"] = "text"
+    """`text`: byte tokens of the files under `path`; `synthetic`: seeded learnable sequences;
+    `tokens`: the shards `shardtrain prepare` wrote to `path` (or `mixture`), documents packed into
+    windows with segment ids and positions."""
     path: Optional[str] = None
-    """Directory or glob of text files. Default: the Python standard library's top-level .py files."""
+    """text: directory or glob of text files (default: the Python standard library's top-level .py
+    files). tokens: the directory `shardtrain prepare --out` wrote (local; gs:// is not read yet)."""
     seq_len: int = 128
+    mixture: tuple[MixtureEntry, ...] = ()
+    """tokens: several prepared directories sampled by weight instead of `path`, e.g.
+    [{path: /data/web, weight: 0.7}, {path: /data/code, weight: 0.3}]."""
+    verify: Literal["size", "checksum"] = "size"
+    """tokens: check each shard's size against the manifest (cheap), or also its sha256 (reads
+    every shard once at start)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +162,10 @@ class TrainConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of stored (master) weights and optimizer state."""
     log_every: int = 1
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many steps and at the last step; 0: never."""
+    eval_steps: int = 10
+    """Batches (of train.global_batch_size) per evaluation, always the split's first ones."""
     compile_cache: bool = True
     """JAX persistent compilation cache under ~/.cache/shardtrain/jax."""
     profile_steps: Optional[tuple[int, int]] = None
@@ -369,7 +390,8 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(
         cfg, run_dir=absolute(cfg.run_dir or str(Path("runs") / cfg.name)),
         checkpoint=dataclasses.replace(cfg.checkpoint, directory=absolute(cfg.checkpoint.directory)),
-        data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path)))
+        data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), mixture=tuple(
+            dataclasses.replace(e, path=absolute(e.path)) for e in cfg.data.mixture)))
 
 
 def validate(cfg: RunConfig) -> None:
@@ -387,9 +409,20 @@ def validate(cfg: RunConfig) -> None:
                         ("train.grad_accum_steps", t.grad_accum_steps), ("train.log_every", t.log_every),
                         ("data.seq_len", cfg.data.seq_len), ("checkpoint.every_steps", cfg.checkpoint.every_steps),
                         ("train.sync_every", t.sync_every), ("train.pipeline_repeats", t.pipeline_repeats),
-                        ("train.scan_unroll", t.scan_unroll)]:
+                        ("train.scan_unroll", t.scan_unroll), ("train.eval_steps", t.eval_steps)]:
         if value < 1:
             raise ConfigError(f"{name}: must be >= 1, got {value}")
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every: must be >= 0 (0: no evaluation), got {t.eval_every}")
+    d = cfg.data
+    if d.mixture and d.source != "tokens":
+        raise ConfigError(f"data.mixture needs data.source=tokens, got data.source={d.source}")
+    if d.mixture and d.path is not None:
+        raise ConfigError("data.path and data.mixture are both set; give one of them")
+    if any(e.weight <= 0 for e in d.mixture):
+        raise ConfigError(f"data.mixture: weights must be > 0, got {[e.weight for e in d.mixture]}")
+    if d.source == "tokens" and d.path is None and not d.mixture:
+        raise ConfigError("data.source=tokens needs data.path=DIR (a `shardtrain prepare --out DIR`) or data.mixture")
     if t.profile_steps is not None:
         first, last = t.profile_steps
         if not 1 <= first <= last <= t.steps:

@@ -3,6 +3,13 @@
 Sample `i` of the (infinite, epoch-reshuffled) dataset is a function of (seed, i) only, and the
 batch of step `s` is samples [s*B, (s+1)*B). Each process reads just the rows of the global
 batch its devices hold, so resuming on any number of processes continues at the same sample.
+
+Sources (data.source):
+  text       byte tokens of text files; the last 1/20 of the windows are the `eval` split.
+  synthetic  seeded arithmetic sequences; `eval` draws them from another seed.
+  tokens     shards written by `shardtrain prepare` (tokens_source.py), memory-mapped: documents
+             (each ending in EOS) concatenated and cut into windows of seq_len + 1 tokens. A
+             sample is then a dict {tokens, segment_ids, positions} (see PackedWindows).
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ import grain
 import numpy as np
 
 from shardtrain.config import ConfigError, DataConfig, RunConfig
+
+EVAL_TEXT_WINDOWS = 20
+"""The bytes `text` source holds out its last 1/EVAL_TEXT_WINDOWS windows as the eval split."""
 
 
 def text_files(path: str | None) -> list[str]:
@@ -31,21 +41,27 @@ def load_corpus(cfg: DataConfig) -> np.ndarray:
     if not files:
         raise ConfigError(f"data.path: no files found at '{cfg.path}'; give a directory or a glob of text files")
     corpus = np.frombuffer(b"\n".join(Path(f).read_bytes() for f in files), dtype=np.uint8)
-    if len(corpus) < 2 * (cfg.seq_len + 1):
-        raise ConfigError(f"data.path: only {len(corpus)} bytes of text, need at least {2 * (cfg.seq_len + 1)}")
+    if len(corpus) < 2 * EVAL_TEXT_WINDOWS * (cfg.seq_len + 1):
+        raise ConfigError(f"data.path: only {len(corpus)} bytes of text, need at least "
+                          f"{2 * EVAL_TEXT_WINDOWS * (cfg.seq_len + 1)}")
     return corpus
 
 
 class TextWindows:
-    """Non-overlapping windows of seq_len + 1 byte tokens (inputs and shifted targets)."""
+    """Non-overlapping windows of seq_len + 1 byte tokens (inputs and shifted targets): split
+    `train` is all but the last 1/EVAL_TEXT_WINDOWS of them, `eval` those."""
 
-    def __init__(self, corpus: np.ndarray, window: int):
+    def __init__(self, corpus: np.ndarray, window: int, split: str = "train"):
         self.corpus, self.window = corpus, window
+        total = len(corpus) // window
+        held = max(1, total // EVAL_TEXT_WINDOWS)
+        self.first, self.count = (0, total - held) if split == "train" else (total - held, held)
 
     def __len__(self):
-        return len(self.corpus) // self.window
+        return self.count
 
     def __getitem__(self, i):
+        i += self.first
         return self.corpus[i * self.window:(i + 1) * self.window].astype(np.int32)
 
 
@@ -63,20 +79,54 @@ class SyntheticSequences:
         return ((start + stride * np.arange(self.window)) % self.vocab).astype(np.int32)
 
 
-def samples(cfg: RunConfig) -> grain.MapDataset:
-    """The infinite dataset of samples, sample i a function of (seed, i)."""
+def packed(cfg: RunConfig) -> bool:
+    """Whether samples are dicts {tokens, segment_ids, positions} (packed documents)."""
+    return cfg.data.source == "tokens"
+
+
+def source(cfg: RunConfig, split: str = "train"):
+    """The random-access source of `split` windows (train or eval)."""
     window = cfg.data.seq_len + 1
     if cfg.data.source == "text":
-        source = TextWindows(load_corpus(cfg.data), window)
-    else:
-        source = SyntheticSequences(cfg.train.seed, window, cfg.model.vocab_size)
-    return grain.MapDataset.source(source).shuffle(seed=cfg.train.seed).repeat()
+        return TextWindows(load_corpus(cfg.data), window, split)
+    if cfg.data.source == "synthetic":
+        return SyntheticSequences(cfg.train.seed + (split == "eval"), window, cfg.model.vocab_size)
+    from shardtrain import tokens_source
+    return tokens_source.windows(cfg, split)
+
+
+def samples(cfg: RunConfig) -> grain.MapDataset:
+    """The infinite training dataset, sample i a function of (seed, i). A mixture: each dataset
+    shuffled and repeated on its own, then interleaved by weight (grain's deterministic mix)."""
+    if cfg.data.mixture:
+        from shardtrain import tokens_source
+        parts = [grain.MapDataset.source(tokens_source.windows(cfg, "train", entry.path))
+                 .shuffle(seed=cfg.train.seed + k).repeat() for k, entry in enumerate(cfg.data.mixture)]
+        return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture])
+    return grain.MapDataset.source(source(cfg)).shuffle(seed=cfg.train.seed).repeat()
+
+
+def eval_samples(cfg: RunConfig) -> grain.MapDataset:
+    """The held-out windows in order (repeated if a pass needs more than the split holds); a
+    mixture's eval splits interleaved by the same weights."""
+    if cfg.data.mixture:
+        from shardtrain import tokens_source
+        parts = [grain.MapDataset.source(tokens_source.windows(cfg, "eval", e.path)).repeat() for e in cfg.data.mixture]
+        return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture])
+    return grain.MapDataset.source(source(cfg, "eval")).repeat()
+
+
+def stack(items: list):
+    """Samples -> one batch: an int array, or a dict of them for packed samples."""
+    if isinstance(items[0], dict):
+        return {k: np.stack([x[k] for x in items]) for k in items[0]}
+    return np.stack(items)
 
 
 def batches(ds: grain.MapDataset, batch_size: int, rows: slice, start_step: int, end_step: int):
-    """Iterator of (step, int32 array of rows `rows` of that step's global batch of `batch_size`
-    samples from `ds`), prefetched in a background thread."""
+    """Iterator of (step, rows `rows` of that step's global batch of `batch_size` samples from
+    `ds`: an int32 array, or a dict of them), prefetched in a background thread."""
     b = batch_size
     steps = grain.MapDataset.range(start_step, end_step).map(
-        lambda s: (s, np.stack([ds[s * b + r] for r in range(rows.start, rows.stop)])))
+        lambda s: (s, stack([ds[s * b + r] for r in range(rows.start, rows.stop)])))
     return iter(steps.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))

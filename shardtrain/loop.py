@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
-from shardtrain import checkpoint, config as config_lib, data, mesh as mesh_lib, pipeline, step as step_lib
+from shardtrain import checkpoint, config as config_lib, data, evaluate, mesh as mesh_lib, pipeline, step as step_lib
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
@@ -85,6 +84,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
+    evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
     is_main = jax.process_index() == 0
     if is_main:
@@ -93,6 +93,9 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
         print(f"shardtrain: {cfg.model.name} {n_params / 1e6:.2f}M params on {jax.device_count()} "
               f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; compiling...", flush=True)
         print(mode_line(cfg, mesh), flush=True)
+        if data.packed(cfg):
+            from shardtrain import tokens_source
+            print(tokens_source.describe(cfg), flush=True)
 
     preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
     t0 = time.perf_counter()
@@ -116,7 +119,6 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     if start > 0:
         metrics.event("resume", step=start)
     rows = prog.local_rows()
-    global_shape = prog.abstract_batch().shape
     profile = cfg.train.profile_steps
     pending = None  # (step, metrics arrays) of the step in flight: read after the next dispatch
     last_done = time.perf_counter()
@@ -135,7 +137,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
         if profile and not tracing and profile[0] <= i + 1 <= profile[1]:
             jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
             tracing = True
-        batch = jax.make_array_from_process_local_data(prog.batch_sharding, local_batch, global_shape)
+        batch = prog.device_batch(local_batch)
         state, step_metrics = compiled(state, batch)
         finish_pending()
         pending = (i + 1, step_metrics)
@@ -152,6 +154,10 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
             metrics.message(f"preempted at step {done}; rerun the same command to resume")
             exit_code = EXIT_PREEMPTED
             break
+        if evaluator and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+            finish_pending()
+            metrics.log_eval(done, evaluator(state["params"]))
+            last_done = time.perf_counter()  # evaluation is not a step's time
         if done % cfg.checkpoint.every_steps == 0 or done == cfg.train.steps:
             finish_pending()
             ckpt.save(done, state)
@@ -171,5 +177,4 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
 def bare_loop_batches(prog: step_lib.Program, steps: int) -> list[jax.Array]:
     """The first `steps` global batches as device arrays (for benchmarks that bypass the loop)."""
     it = data.batches(data.samples(prog.cfg), prog.cfg.train.global_batch_size, prog.local_rows(), 0, steps)
-    shape = prog.abstract_batch().shape
-    return [jax.make_array_from_process_local_data(prog.batch_sharding, np.asarray(b), shape) for _, b in it]
+    return [prog.device_batch(b) for _, b in it]

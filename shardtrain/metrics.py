@@ -32,7 +32,7 @@ def drop_rows_after(path: Path, step: int) -> None:
             row = json.loads(line)
         except ValueError:
             continue  # a line cut short by a kill
-        if "loss" not in row or row.get("step", 0) <= step:
+        if ("loss" not in row and "eval_loss" not in row) or row.get("step", 0) <= step:
             kept.append(line + "\n")
     if len(kept) != len(lines):
         path.write_text("".join(kept))
@@ -81,6 +81,16 @@ class Metrics:
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
 
+    def log_eval(self, step: int, values: dict) -> None:
+        """An evaluation row {step, eval_loss, eval_perplexity, eval_tokens}: file, TensorBoard, console."""
+        if not self.main:
+            return
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.file.flush()
+        for k, v in values.items():
+            self.tb.add_scalar(k, v, step)
+        self.message(f"step {step}: eval_loss {values['eval_loss']:.4f}, eval_perplexity {values['eval_perplexity']:.2f}")
+
     def event(self, event: str, **fields) -> None:
         if self.main:
             self.file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
@@ -120,8 +130,12 @@ class Metrics:
         import matplotlib.pyplot as plt
         rows = [json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         points = sorted({r["step"]: r["loss"] for r in rows if "loss" in r}.items())
+        evals = sorted({r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}.items())
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([p[0] for p in points], [p[1] for p in points])
+        ax.plot([p[0] for p in points], [p[1] for p in points], label="train")
+        if evals:
+            ax.plot([p[0] for p in evals], [p[1] for p in evals], "o-", label="eval")
+            ax.legend()
         ax.set(xlabel="step", ylabel="loss", title=self.cfg.name)
         ax.grid(alpha=0.3)
         fig.tight_layout()

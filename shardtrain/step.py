@@ -20,9 +20,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
-from shardtrain import comm, optim, sharding
-from shardtrain.loss import chunked_cross_entropy, cross_entropy  # noqa: F401 (cross_entropy: re-exported)
-from shardtrain.config import RunConfig
+from shardtrain import comm, data, optim, sharding
+from shardtrain.config import ConfigError, RunConfig
+from shardtrain.loss import cross_entropy, weighted_cross_entropy_sum
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -53,20 +53,53 @@ class Program:
     step: Callable
     """jitted (state, batch) -> (state, metrics), state donated."""
 
-    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+    loss_sums: Callable
+    """(params, batch) -> (summed token loss, counted tokens), unjitted (evaluate.py jits it)."""
+
+    def abstract_batch(self):
+        """The global batch: int32 (B, T+1) tokens, or for packed data a dict of three of them."""
         t = self.cfg.train
-        return jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
-                                    sharding=self.batch_sharding)
+        x = jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
+                                 sharding=self.batch_sharding)
+        return {k: x for k in PACKED_FIELDS} if data.packed(self.cfg) else x
+
+    def batch_shape(self) -> tuple[int, int]:
+        return (self.cfg.train.global_batch_size, self.cfg.data.seq_len + 1)
+
+    def device_batch(self, local_batch):
+        """This process's rows (numpy, as data.batches yields them) -> the global device batch."""
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+            self.batch_sharding, x, self.batch_shape()), local_batch)
 
     def lower(self):
         return self.step.lower(self.abstract_state, self.abstract_batch())
 
     def local_rows(self) -> slice:
         """Rows of the global batch held by this process's devices (a contiguous block)."""
-        index_map = self.batch_sharding.addressable_devices_indices_map(self.abstract_batch().shape)
-        starts = [idx[0].start or 0 for idx in index_map.values()]
-        stops = [idx[0].stop or self.cfg.train.global_batch_size for idx in index_map.values()]
-        return slice(min(starts), max(stops))
+        return self.rows_for(self.batch_sharding.addressable_devices)
+
+    def rows_for(self, devices) -> slice:
+        """Rows of the global batch held by `devices` (one process's: a contiguous block)."""
+        index_map = self.batch_sharding.devices_indices_map(self.batch_shape())
+        rows = [index_map[d][0] for d in devices]
+        return slice(min(r.start or 0 for r in rows),
+                     max(self.cfg.train.global_batch_size if r.stop is None else r.stop for r in rows))
+
+
+PACKED_FIELDS = ("tokens", "segment_ids", "positions")
+
+
+def unpack(batch):
+    """A batch -> (inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt).
+
+    Unpacked (an int array): every position counts, segment ids and positions are None. Packed
+    (a dict): position t is masked when its input and target lie in different documents (the
+    input is an EOS, the target the next document's first token); EOS itself is predicted."""
+    if not isinstance(batch, dict):
+        return batch[:, :-1], batch[:, 1:], None, None, jnp.ones(batch[:, 1:].shape, jnp.float32)
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    weights_bt = (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)
+    return tokens[:, :-1], tokens[:, 1:], seg[:, :-1], batch["positions"][:, :-1], weights_bt
 
 
 def dtype(name: str):
@@ -88,6 +121,9 @@ def scan_runner(cfg: RunConfig) -> Callable:
 
 def build(cfg: RunConfig, mesh: Mesh) -> Program:
     run_blocks = scan_runner(cfg)
+    if mesh.shape["pipeline"] > 1 and data.packed(cfg):
+        raise ConfigError(f"data.source={cfg.data.source} packs documents with segment ids, which the pipeline "
+                          "(mesh.pipeline > 1) does not carry yet; use mesh.pipeline=1")
     if mesh.shape["pipeline"] > 1:
         from shardtrain import pipeline
         run_blocks = pipeline.runner(cfg, mesh)  # first: its errors name layers, stages, repeats
@@ -119,29 +155,42 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
         params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
+    def loss_sum(model, batch):
+        """(summed cross-entropy over the counted positions, their number)."""
+        inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
+        docs = {} if segment_ids_bt is None else {"segment_ids": segment_ids_bt, "positions": positions_bt}
+        x_btd = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
+        return weighted_cross_entropy_sum(model.head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk), weights_bt.sum()
+
+    def loss_sums(params, batch):
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        return loss_sum(model, batch)
+
     def make_loss_and_grads(constrain):
         """loss_and_grads for the model with activations constrained by `constrain` (comm runs it per replica)."""
         graphdef = nnx.split(abstract_model(cfg, constrain))[0]
 
-        def loss_fn(params, tokens_bt):
+        def loss_fn(params, batch, denominator):
+            """Summed token loss of `batch` / denominator (the whole step's counted tokens)."""
             model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-            x_btd = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
-            return chunked_cross_entropy(model.head, x_btd, tokens_bt[:, 1:], chunk=cfg.train.loss_chunk)
+            return loss_sum(model, batch)[0] / denominator
 
-        def loss_and_grads(params, tokens_bt):
-            """Mean loss and gradients over train.grad_accum_steps micro-batches (= the full batch's)."""
+        def loss_and_grads(params, batch):
+            """Mean token loss and gradients over train.grad_accum_steps micro-batches (= the full batch's)."""
             accum = cfg.train.grad_accum_steps
+            denominator = jnp.maximum(unpack(batch)[-1].sum(), 1.0)
             if accum == 1:
-                return jax.value_and_grad(loss_fn)(params, tokens_bt)
-            micro_abt = tokens_bt.reshape(accum, -1, tokens_bt.shape[-1])  # (A, B/A, T+1)
+                return jax.value_and_grad(loss_fn)(params, batch, denominator)
+            # (B, T+1) -> (A, B/A, T+1) for each field of the batch
+            micro = jax.tree.map(lambda x: x.reshape(accum, -1, x.shape[-1]), batch)
 
-            def body(carry, micro_bt):
-                loss, grads = jax.value_and_grad(loss_fn)(params, constrain(micro_bt, ("batch", None)))
+            def body(carry, micro_batch):
+                micro_batch = jax.tree.map(lambda x: constrain(x, ("batch", None)), micro_batch)
+                loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch, denominator)
                 return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            total = jax.lax.scan(body, zeros, micro_abt)[0]
-            return jax.tree.map(lambda x: x / accum, total)
+            return jax.lax.scan(body, zeros, micro)[0]
         return loss_and_grads
 
     lr = optim.schedule(cfg)
@@ -155,8 +204,8 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
 
     loss_and_grads = make_loss_and_grads(constrain)
 
-    def train_step(state, tokens_bt):
-        return update(state, *loss_and_grads(state["params"], tokens_bt))
+    def train_step(state, batch):
+        return update(state, *loss_and_grads(state["params"], batch))
 
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
         state_shardings, init, train_step = comm.build(cfg, mesh, comm.Base(
@@ -166,7 +215,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
 
     return Program(
         cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=state_shardings,
-        batch_sharding=batch_sharding, abstract_state=abstract_state,
+        batch_sharding=batch_sharding, abstract_state=abstract_state, loss_sums=loss_sums,
         init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=state_shardings),
         step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated), donate_argnums=0),

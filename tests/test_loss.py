@@ -17,17 +17,19 @@ def setup(b=4, t=64, d=16, v=50):
 def test_chunked_equals_plain_loss_and_grads():
     x, w, y = setup()
 
+    weights = (jnp.arange(64) % 5 != 0).astype(jnp.float32)[None].repeat(4, 0)  # some positions masked
+
     def plain(x, w):
-        return loss.cross_entropy(x @ w, y)
+        return (loss.cross_entropy(x @ w, y) * weights).sum()
 
     def chunked(x, w):
-        return loss.chunked_cross_entropy(lambda xc: xc @ w, x, y, chunk=16)
+        return loss.weighted_cross_entropy_sum(lambda xc: xc @ w, x, y, weights, chunk=16)
 
     (lp, gp), (lc, gc) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w) for f in (plain, chunked))
     np.testing.assert_allclose(lc, lp, rtol=1e-6)
     for a, b in zip(gc, gp):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
-    assert loss.chunked_cross_entropy(lambda xc: xc @ w, x, y, chunk=0) == plain(x, w)
+    assert loss.weighted_cross_entropy_sum(lambda xc: xc @ w, x, y, weights, chunk=0) == plain(x, w)
 
 
 def test_chunked_sharded_matches_and_never_holds_full_logits():
@@ -38,7 +40,7 @@ def test_chunked_sharded_matches_and_never_holds_full_logits():
 
     def f(x, w, chunk):
         head = lambda xc: c(xc @ w, ("batch", "seq", "vocab"))  # noqa: E731
-        return loss.chunked_cross_entropy(head, c(x, ("batch", "seq", None)), y, chunk=chunk)
+        return loss.weighted_cross_entropy_sum(head, c(x, ("batch", "seq", None)), y, jnp.ones(y.shape), chunk)
 
     with jax.set_mesh(mesh):
         grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1)), static_argnums=2)

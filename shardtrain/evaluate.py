@@ -1,0 +1,81 @@
+"""Evaluation on the held-out split: a jitted, sharded forward pass (no gradients) over the first
+train.eval_steps batches of the `eval` split, shared by training (train.eval_every) and
+`shardtrain eval CONFIG CHECKPOINT`.
+
+eval_loss is the token-weighted mean cross-entropy over every counted position of those batches
+(packed data: the positions the training loss counts), eval_perplexity its exp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardtrain import data
+from shardtrain import config as config_lib
+from shardtrain.config import ConfigError, RunConfig
+from shardtrain.step import Program
+
+
+class Evaluator:
+    def __init__(self, prog: Program):
+        self.prog, cfg = prog, prog.cfg
+        self.dataset = data.eval_samples(cfg)  # a missing eval split fails before anything is compiled
+        replicated = NamedSharding(prog.mesh, P())
+        self.loss_sums = jax.jit(prog.loss_sums, out_shardings=(replicated, replicated),
+                                 in_shardings=(prog.state_shardings["params"], prog.batch_sharding))
+
+    def __call__(self, params) -> dict[str, float]:
+        cfg = self.prog.cfg
+        total = count = 0.0
+        batches = data.batches(self.dataset, cfg.train.global_batch_size, self.prog.local_rows(), 0,
+                               cfg.train.eval_steps)
+        sums = [self.loss_sums(params, self.prog.device_batch(batch)) for _, batch in batches]
+        for loss_sum, n in sums:
+            total, count = total + float(loss_sum), count + float(n)
+        loss = total / max(count, 1.0)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": count}
+
+
+def checkpoint_location(path: str) -> tuple[str, int | None]:
+    """A run dir, a checkpoints dir (its newest step) or one step's dir -> (checkpoints dir, step)."""
+    p = Path(path)
+    if path.startswith("gs://"):
+        return path.rstrip("/"), None
+    if not p.exists():
+        raise ConfigError(f"checkpoint '{path}' does not exist; give a run dir, its checkpoints/ dir "
+                          "or a step dir in it")
+    if (p / "checkpoints").is_dir():
+        return str(p / "checkpoints"), None
+    if p.name.isdigit() and ((p / "meta").exists() or (p / "state").exists()):
+        return str(p.parent), int(p.name)
+    return str(p), None
+
+
+def main(cfg: RunConfig, checkpoint_path: str) -> int:
+    """`shardtrain eval CONFIG CHECKPOINT`: prints one JSON line {step, eval_loss, eval_perplexity}."""
+    from shardtrain import checkpoint, mesh as mesh_lib, step as step_lib
+    directory, step = checkpoint_location(checkpoint_path)
+    directory = config_lib.absolute(directory)
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, directory=directory))
+    data.eval_samples(cfg)  # data errors before compiling
+    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    evaluator = Evaluator(prog)
+    ckpt = checkpoint.Checkpointer(prog)
+    try:
+        if step is None:
+            step = ckpt.latest_step()
+            if step is None:
+                raise ConfigError(f"no committed checkpoint in {directory}")
+        state, _ = ckpt.restore(step)
+    finally:
+        ckpt.close()
+    row = {"step": step, **evaluator(state["params"])}
+    if jax.process_index() == 0:
+        print(json.dumps(row), flush=True)
+    return 0
