@@ -20,16 +20,16 @@ def test_chunked_equals_plain_loss_and_grads():
     weights = (jnp.arange(64) % 5 != 0).astype(jnp.float32)[None].repeat(4, 0)  # some positions masked
 
     def plain(x, w):
-        return (loss.cross_entropy(x @ w, y) * weights).sum()
+        return (loss.cross_entropy(x @ w, y) * weights).sum() / weights.sum()
 
     def chunked(x, w):
-        return loss.weighted_cross_entropy_sum(lambda xc: xc @ w, x, y, weights, chunk=16)
+        return loss.weighted_cross_entropy_sum(lambda xc: xc @ w, x, y, weights, chunk=16) / weights.sum()
 
     (lp, gp), (lc, gc) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w) for f in (plain, chunked))
     np.testing.assert_allclose(lc, lp, rtol=1e-6)
     for a, b in zip(gc, gp):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
-    assert loss.weighted_cross_entropy_sum(lambda xc: xc @ w, x, y, weights, chunk=0) == plain(x, w)
+    assert loss.weighted_cross_entropy_sum(lambda xc: xc @ w, x, y, weights, chunk=0) / weights.sum() == plain(x, w)
 
 
 def test_chunked_sharded_matches_and_never_holds_full_logits():
@@ -40,7 +40,7 @@ def test_chunked_sharded_matches_and_never_holds_full_logits():
 
     def f(x, w, chunk):
         head = lambda xc: c(xc @ w, ("batch", "seq", "vocab"))  # noqa: E731
-        return loss.weighted_cross_entropy_sum(head, c(x, ("batch", "seq", None)), y, jnp.ones(y.shape), chunk)
+        return loss.weighted_cross_entropy_sum(head, c(x, ("batch", "seq", None)), y, jnp.ones(y.shape), chunk) / y.size
 
     with jax.set_mesh(mesh):
         grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1)), static_argnums=2)
