@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
+MODELS = {"gpt": "models.gpt:Gpt", "llama": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
 
 
 def get(name: str):

@@ -43,13 +43,15 @@ class Chip:
     host_shared: bool = False
     """The figures are for a whole host that simulates all devices (the `cpu` entry): the planner
     divides them among the devices."""
+    tpu_name: str | None = None
+    """libtpu's name of a TPU generation in topology names ("v5e" in "v5e:16x16"); None: not a TPU."""
 
 
 CHIPS = {c.name: c for c in [
-    Chip("v4", 275e12, 32 * GiB, 1200 * GB, 300 * GB, 25 / 4 * GB, ("TPU v4",)),
-    Chip("v5e", 197e12, 16 * GiB, 819 * GB, 200 * GB, 25 / 8 * GB, ("TPU v5 lite", "TPU v5e")),
-    Chip("v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 25 / 4 * GB, ("TPU v5p", "TPU v5")),
-    Chip("v6e", 918e12, 32 * GiB, 1640 * GB, 448 * GB, 25 / 8 * GB, ("TPU v6", "TPU v6e")),
+    Chip("v4", 275e12, 32 * GiB, 1200 * GB, 300 * GB, 25 / 4 * GB, ("TPU v4",), tpu_name="v4"),
+    Chip("v5e", 197e12, 16 * GiB, 819 * GB, 200 * GB, 25 / 8 * GB, ("TPU v5 lite", "TPU v5e"), tpu_name="v5e"),
+    Chip("v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 25 / 4 * GB, ("TPU v5p", "TPU v5"), tpu_name="v5p"),
+    Chip("v6e", 918e12, 32 * GiB, 1640 * GB, 448 * GB, 25 / 8 * GB, ("TPU v6", "TPU v6e"), tpu_name="v6e"),
     Chip("a100", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB, ("A100",)),
     Chip("h100", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB, ("H100",)),
     Chip("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB, ("H200",)),

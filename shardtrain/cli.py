@@ -1,4 +1,5 @@
-"""`shardtrain train | plan | prepare | eval | ckpt`. Mistakes in user input exit 2 with one message, no traceback."""
+"""`shardtrain train | plan | prepare | eval | ckpt | import-hf | export-hf | generate`. Mistakes in user
+input exit 2 with one message, no traceback."""
 
 from __future__ import annotations
 
@@ -19,6 +20,21 @@ def simulated_devices(n: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def skip_absent_tpu() -> None:
+    """With libtpu installed (the `tpu` extra, for planning) but no TPU here, jax would try to start a
+    TPU backend, print libtpu's warnings, and hold its lockfile so that compiling for a TPU topology
+    fails; ask for the CPU instead. Must run before jax is imported; JAX_PLATFORMS set by the user wins,
+    and machines with a TPU or a CUDA plugin are left alone."""
+    import importlib.util
+
+    from shardtrain import topology
+    if "JAX_PLATFORMS" in os.environ or topology.tpu_present() or importlib.util.find_spec("libtpu") is None:
+        return
+    if importlib.util.find_spec("jax_cuda12_plugin") or importlib.util.find_spec("jax_cuda13_plugin"):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def mesh_devices(cfg: config_lib.RunConfig) -> int:
@@ -73,6 +89,51 @@ def cmd_ckpt(args) -> int:
     return checkpoint.list_main(args.run_dir)
 
 
+def cmd_import_hf(args) -> int:
+    simulated_devices(DEFAULT_CPU_DEVICES)
+    from shardtrain import weights
+    weights.import_hf(args.hf_dir, args.out_dir, args.overrides)
+    return 0
+
+
+def cmd_export_hf(args) -> int:
+    simulated_devices(DEFAULT_CPU_DEVICES)
+    from shardtrain import weights
+    weights.export_hf(args.source, args.out_dir, args.dtype, args.max_shard_size)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    simulated_devices(DEFAULT_CPU_DEVICES)
+    import json
+    from shardtrain import generate
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise config_lib.ConfigError("generate: need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1")
+    gen = generate.Generator.from_source(args.source, args.overrides)
+    prompts = [gen.encode(p) for p in args.prompt]
+    stream = not args.json and len(prompts) == 1
+    shown = {"ids": [], "text": ""}
+
+    def on_tokens(tokens_b):  # prints the new text of a single prompt as it comes
+        if tokens_b[0] >= 0:
+            shown["ids"].append(int(tokens_b[0]))
+            text = gen.decode(shown["ids"]).rstrip("\ufffd")  # a character's bytes may be incomplete yet
+            print(text[len(shown["text"]):], end="", flush=True)
+            shown["text"] = text
+    if stream:
+        print(args.prompt[0], end="", flush=True)
+    outs = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        seed=args.seed, on_tokens=on_tokens if stream else None)
+    for text, ids, new in zip(args.prompt, prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt": text, "prompt_ids": ids, "generated_ids": new, "text": gen.decode(new)}))
+        elif stream:
+            print(gen.decode(new)[len(shown["text"]):])
+        else:
+            print(text + gen.decode(new))
+    return 0
+
+
 def enable_compile_cache(cfg: config_lib.RunConfig) -> None:
     import jax
     if cfg.train.compile_cache:
@@ -92,7 +153,11 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
     pl.add_argument("--devices", type=int, help="device count to plan for (default: the mesh's product)")
-    pl.add_argument("--chip", default=None, help="chip for the roofline estimate: v4, v5e, v5p, v6e, a100, h100, h200, cpu")
+    pl.add_argument("--chip", default=None, help="chip to plan for: v4, v5e, v5p, v6e, a100, h100, h200, cpu "
+                    "(default: the config's hardware.chip, else the devices present)")
+    pl.add_argument("--topology", default=None, help="TPU chips per dimension, e.g. 16x16: compile with the TPU "
+                    "compiler for that slice (needs libtpu; default: the config's hardware.topology)")
+    pl.add_argument("--slices", type=int, default=None, help="with --topology: TPU slices joined over DCN")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices")
     pl.add_argument("--write", metavar="YAML", help="with --search: write the best mesh as a config")
@@ -115,11 +180,39 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("ckpt", help="list a run's checkpoints")
     c.add_argument("run_dir")
     c.set_defaults(func=cmd_ckpt)
+    i = sub.add_parser("import-hf", help="a Hugging Face model directory -> a shardtrain checkpoint + config")
+    i.add_argument("hf_dir", help="directory with config.json, *.safetensors and the tokenizer")
+    i.add_argument("out_dir")
+    i.add_argument("overrides", nargs="*", help="config KEY=VALUEs for the written config (mesh.*, train.*)")
+    i.set_defaults(func=cmd_import_hf)
+    e = sub.add_parser("export-hf", help="a run, checkpoint or import-hf directory -> a Hugging Face model directory")
+    e.add_argument("source", help="run directory, checkpoint step directory or import-hf directory")
+    e.add_argument("out_dir")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written weights (default: the imported model's, else float32)")
+    e.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    e.set_defaults(func=cmd_export_hf)
+    g = sub.add_parser("generate", help="generate text from an HF, import-hf, run or checkpoint directory")
+    g.add_argument("source")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="one JSON line per prompt: prompt and generated ids, text")
+    g.add_argument("overrides", nargs="*", help="config KEY=VALUEs before the options (mesh.tensor=..., rules.*)")
+    g.set_defaults(func=cmd_generate)
     return p
 
 
 def main(argv=None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)  # overrides may also follow the flags: plan X --chip v5e k=v
+    if extra and (not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    skip_absent_tpu()
     try:
         code = args.func(args)
     except config_lib.ConfigError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import tempfile
 import types
@@ -76,8 +77,46 @@ class RulesConfig:
 
 
 @dataclass(frozen=True)
+class RopeScalingConfig:
+    """Rotary frequency scaling for contexts longer than pre-training (Hugging Face `rope_scaling`)."""
+
+    type: Literal["linear", "llama3"] = "llama3"
+    """`linear`: every frequency divided by `factor`; `llama3`: Llama 3.1's low/high-frequency blend."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the pre-training context length."""
+
+
+LORA_TARGETS = {"wq_dhe": "q_proj", "wk_dke": "k_proj", "wv_dke": "v_proj", "wo_hed": "o_proj",
+                "w_gate_df": "gate_proj", "w_up_df": "up_proj", "w_down_fd": "down_proj"}
+"""Block weights LoRA can adapt: our parameter name -> the Hugging Face module name (either works)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters: each target weight W is used as W + (alpha / rank) * A @ B with A
+    (W's input dims, rank) and B (rank, W's output dims), sharded like W's dims; B starts at zero.
+    With rank > 0 only the adapters train (the rest is frozen) and export-hf merges them into W."""
+
+    rank: int = 0
+    """Adapter rank; 0: no adapters."""
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("wq_dhe", "wk_dke", "wv_dke", "wo_hed")
+    """Adapted block weights by parameter name (wq_dhe, w_up_df, ...) or HF module name (q_proj, up_proj, ...)."""
+
+    def target_params(self) -> tuple[str, ...]:
+        by_hf = {v: k for k, v in LORA_TARGETS.items()}
+        return tuple(by_hf.get(t, t) for t in self.targets) if self.rank > 0 else ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Model architecture. `name` picks the class from the registry in `models/`."""
+    """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
+    Mistral, Qwen2/2.5 and Qwen3 are configs of the one decoder `gpt` (alias `llama`)."""
 
     name: str = "gpt"
     vocab_size: int = 256
@@ -95,7 +134,21 @@ class ModelConfig:
     `cudnn` cuDNN flash attention on NVIDIA GPUs; `auto`: splash on TPU, cudnn on GPU, xla on CPU."""
     embed: Literal["gather", "one_hot"] = "gather"
     """Token embedding: `gather` rows of the table (no B x T x V intermediate); `one_hot` a one-hot
-    matmul (shards cleanly over a vocab-sharded table; faster for the byte-level CPU demo)."""
+    matmul (shards cleanly over a vocab-sharded table; 2 V D FLOPs per token)."""
+    rope_scaling: Optional[RopeScalingConfig] = None
+    """Rotary frequency scaling (Llama 3.1+ `llama3`, or `linear`); null: none."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (Llama 1e-5, Qwen 1e-6)."""
+    tie_embeddings: bool = False
+    """The output projection is the transposed token embedding (Llama 3.2 1B/3B, small Qwens)."""
+    head_dim: Optional[int] = None
+    """Attention head size; default d_model / n_heads (Qwen3 sets its own)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2 / Qwen2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before rotary (Qwen3)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +260,23 @@ class CheckpointConfig:
     writer_niceness: int = 19
     """CPU niceness (0-19, Linux) of the threads that write an async save, so that it runs on CPU
     time the training leaves idle instead of slowing the steps; 0: the training's own priority."""
+    init_from: Optional[str] = None
+    """Start from these weights (step 0, fresh optimizer state): a directory written by
+    `shardtrain import-hf`, a run directory or checkpoint step directory, or a Hugging Face model
+    directory (config.json + *.safetensors). Ignored once run_dir has checkpoints (resume wins)."""
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    """The hardware a config is made for. `shardtrain plan` plans for it when no --chip / --topology
+    is given: for a TPU topology with the TPU compiler itself (libtpu), else on the devices present."""
+
+    chip: Optional[str] = None
+    """A chip of shardtrain/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, cpu); None: the devices present."""
+    topology: Optional[str] = None
+    """TPU chips per dimension of one slice, e.g. "16x16" (v5e-256) or "4x4x8" (v5p-256); None for GPUs and cpu."""
+    slices: int = 1
+    """TPU slices of `topology` joined over DCN (multi-slice); the product of mesh.dcn equals it."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +288,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run_dir: Optional[str] = None
     """Where metrics, plots, the resolved config and checkpoints go. Default: runs/<config name>."""
     name: str = "run"
@@ -290,6 +361,12 @@ def _build(cls, values: dict, where: str):
             raise ConfigError(f"unknown config key '{path}'{hint}")
         kwargs[key] = _convert(hints[key], value, path)
     return cls(**kwargs)
+
+
+def from_dict(tree: dict, cls=None):
+    """A config (RunConfig by default, or the section class `cls`) from a plain dict such as a
+    checkpoint's saved config; unknown keys and wrong types raise ConfigError."""
+    return _build(cls or RunConfig, tree, "" if cls is None else cls.__name__)
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:
@@ -389,7 +466,8 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
     """The config with run_dir defaulted (runs/<name>) and every path made absolute."""
     return dataclasses.replace(
         cfg, run_dir=absolute(cfg.run_dir or str(Path("runs") / cfg.name)),
-        checkpoint=dataclasses.replace(cfg.checkpoint, directory=absolute(cfg.checkpoint.directory)),
+        checkpoint=dataclasses.replace(cfg.checkpoint, directory=absolute(cfg.checkpoint.directory),
+                                       init_from=absolute(cfg.checkpoint.init_from)),
         data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), mixture=tuple(
             dataclasses.replace(e, path=absolute(e.path)) for e in cfg.data.mixture)))
 
@@ -442,20 +520,56 @@ def validate(cfg: RunConfig) -> None:
                           f"train.grad_accum_steps={t.grad_accum_steps}")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
+                          "(or set model.head_dim)")
+    for target in m.lora.targets:
+        if target not in LORA_TARGETS and target not in LORA_TARGETS.values():
+            raise ConfigError(f"model.lora.targets: unknown weight '{target}'; choose from "
+                              f"{', '.join(LORA_TARGETS)} (or {', '.join(LORA_TARGETS.values())})")
+    if m.lora.rank < 0:
+        raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {m.lora.rank}")
+    if m.lora.rank > 0 and (t.sync != "every_step" or t.grad_reduce_dtype != "float32"):
+        raise ConfigError("model.lora.rank > 0 needs train.sync=every_step and train.grad_reduce_dtype=float32 "
+                          "(LoRA with local SGD or compressed gradients is not supported yet)")
     if str(cfg.run_dir).startswith("gs://"):
         raise ConfigError(f"run_dir={cfg.run_dir}: must be a local directory (metrics, plots); put "
                           "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")
     for axis in t.sync_axes:
         if axis not in MESH_AXES:
             raise ConfigError(f"train.sync_axes: unknown mesh axis '{axis}'; mesh axes: {', '.join(MESH_AXES)}")
+    validate_hardware(cfg)
     for logical in dataclasses.fields(RulesConfig):
         rule = getattr(cfg.rules, logical.name)
         for axis in (rule,) if isinstance(rule, str) else rule or ():
             if axis not in MESH_AXES:
                 raise ConfigError(f"rules.{logical.name}: unknown mesh axis '{axis}'; "
                                   f"mesh axes: {', '.join(MESH_AXES)}")
+
+
+def validate_hardware(cfg: RunConfig) -> None:
+    from shardtrain.chips import CHIPS  # figures only: imports nothing from shardtrain
+
+    hw = cfg.hardware
+    if hw.chip is not None and hw.chip not in CHIPS:
+        close = difflib.get_close_matches(hw.chip, CHIPS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"hardware.chip: unknown chip '{hw.chip}'{hint}; known: {', '.join(CHIPS)}")
+    if hw.slices < 1:
+        raise ConfigError(f"hardware.slices: must be >= 1, got {hw.slices}")
+    if hw.topology is None:
+        if hw.slices > 1:
+            raise ConfigError("hardware.slices > 1 needs hardware.topology (the chips of one slice, e.g. 4x4x8)")
+        return
+    if hw.chip is None or CHIPS[hw.chip].tpu_name is None:
+        raise ConfigError(f"hardware.topology={hw.topology}: needs hardware.chip to name a TPU (v4, v5e, v5p, v6e)")
+    dims = hw.topology.split("x")
+    if not 2 <= len(dims) <= 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ConfigError(f"hardware.topology={hw.topology!r}: expected chips per dimension, e.g. 16x16 or 4x4x8")
+    dcn = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
+    if dcn > 1 and dcn != hw.slices:
+        raise ConfigError(f"mesh.dcn: its product {dcn} must equal hardware.slices={hw.slices} "
+                          "(the DCN axes run across the slices)")
 
 
 def validate_optimizer(o: OptimizerConfig) -> None:

@@ -346,6 +346,25 @@ def collectives(text: str, mesh_shape: dict[str, int]) -> list[Collective]:
     return out
 
 
+def dcn_reductions(text: str, dcn_axes: tuple[str, ...], slices: int) -> list[Collective]:
+    """Reductions across TPU slices in a multi-slice program: libtpu writes them not as all-reduces
+    but as host-transfer `send`s to the multi-slice (megascale) runtime, each with
+    `_xla_megascale_reduce_operation`; one per reduced array (the first element of the send's
+    shape), multiplied by its loops' trip counts, over the mesh axes that cross slices."""
+    comps = parse_module(text)
+    mult = multipliers(comps)
+    out = []
+    for name, instrs in comps.items():
+        if name == "__entry__":
+            continue
+        for ins in instrs:
+            if ins.opcode == "send" and "_xla_megascale_reduce_operation" in ins.line:
+                size = arrays(ins.shape)[0][1]
+                out.append(Collective("all-reduce", size, size * _ring("all-reduce", slices), mult[name] or 1,
+                                      slices, dcn_axes))
+    return out
+
+
 def conditional_branches(text: str) -> set[str]:
     """Computations that run only inside a branch of a compiled HLO `conditional` (e.g. local SGD's
     sync every H steps), including what those branches call."""

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import jax
 
-from shardtrain import checkpoint, config as config_lib, data, evaluate, mesh as mesh_lib, pipeline, step as step_lib
+from shardtrain import (checkpoint, config as config_lib, data, evaluate, mesh as mesh_lib, pipeline,
+                        step as step_lib, weights)
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
@@ -82,6 +83,7 @@ def train(cfg: config_lib.RunConfig) -> int:
 
 def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
+    init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
     evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
@@ -103,7 +105,12 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     ckpt = checkpoint.Checkpointer(prog)
     opened += [preemption, ckpt]
     restored = ckpt.restore_latest(say=lambda text: is_main and print(text, flush=True))
-    if restored is None:
+    if restored is None and init_from is not None:  # resume wins over init_from
+        state, start = weights.initial_state(prog, init_from), 0
+        if is_main:
+            print(f"starting from the weights of {init_from.step_dir or init_from.path} "
+                  "(step 0, fresh optimizer state)", flush=True)
+    elif restored is None:
         state, start = prog.init(cfg.train.seed), 0
     else:
         state, meta = restored

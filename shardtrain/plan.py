@@ -27,8 +27,8 @@ import time
 
 import jax
 
-from shardtrain import chips as chips_lib, comm, hlo, mesh as mesh_lib, step as step_lib
-from shardtrain.config import MESH_AXES, ConfigError, RunConfig
+from shardtrain import chips as chips_lib, comm, hlo, mesh as mesh_lib, sharding, step as step_lib, topology
+from shardtrain.config import MESH_AXES, ConfigError, HardwareConfig, RunConfig, validate_hardware
 from shardtrain.metrics import model_flops_per_token
 
 
@@ -76,19 +76,24 @@ def shard_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def bubble_fraction(cfg: RunConfig, stages: int) -> float | None:
-    """Idle fraction of a pipeline schedule: (P-1)/(M+P-1) for GPipe, (P-1)/(vM+P-1) circular."""
-    if stages <= 1:
+def pipeline_schedule(cfg: RunConfig, mesh) -> dict | None:
+    """The trainer's schedule (pipeline.py decides micro-batches and bubble; the planner only reads it)."""
+    if mesh.shape["pipeline"] <= 1:
         return None
-    t = cfg.train
-    m = t.microbatches or 2 * stages
-    v = t.pipeline_repeats if t.pipeline_schedule == "circular" else 1
-    return (stages - 1) / (v * m + stages - 1)
+    from shardtrain import pipeline
+    return {"schedule": cfg.train.pipeline_schedule, "stages": int(mesh.shape["pipeline"]),
+            "microbatches": pipeline.microbatches(cfg, mesh), "repeats": cfg.train.pipeline_repeats,
+            "bubble_fraction": pipeline.bubble_fraction(cfg, mesh)}
 
 
 def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], chip: chips_lib.Chip,
              dcn_axes: set[str], model_flops_step: float, n_devices: int) -> dict:
-    compute_s = flops_dev / chip.peak_flops
+    """The roofline. Compute time is the larger of the compiled FLOPs and the model's FLOPs at peak:
+    the compiler's count can fall short of the model's (a remat policy that saves every matmul and an
+    embedding lookup with no input gradient, as in meshes/gpu_1x8.yaml, whose MFU read 1.0066;
+    custom kernels such as splash attention report no FLOPs at all), and no step beats the model's
+    own FLOPs at peak. So MFU <= 1."""
+    compute_s = max(flops_dev, model_flops_step / n_devices) / chip.peak_flops
     memory_s = bytes_dev / chip.hbm_bandwidth
     comm_s = sum(c.traffic_bytes * c.count / (chip.dcn_bandwidth if dcn_axes.intersection(c.axes)
                                                else chip.ici_bandwidth) for c in colls)
@@ -97,6 +102,28 @@ def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], ch
     return {"step_time_s": step_s, "mfu": model_flops_step / (step_s * chip.peak_flops * n_devices),
             "bottleneck": max(parts, key=parts.get), "compute_s": compute_s, "memory_s": memory_s,
             "comm_s": comm_s, "chip": chip.name}
+
+
+def attention_scores_bytes(cfg: RunConfig, mesh) -> int:
+    """Per device, one layer's materialised f32 attention scores (rows x heads x T x T x 4): the largest
+    temporary of XLA's attention, checked by hand where no compiler of the target is at hand (GPUs)."""
+    ways = {a: int(s) for a, s in mesh.shape.items()}
+    batch_axes = sharding.spec_for(("batch",), cfg.rules, mesh)[0] or ()
+    head_axes = sharding.spec_for(("heads",), cfg.rules, mesh)[0] or ()
+    rows = cfg.train.global_batch_size // cfg.train.grad_accum_steps // math.prod(
+        ways[a] for a in ((batch_axes,) if isinstance(batch_axes, str) else batch_axes))
+    heads = cfg.model.n_heads // math.prod(ways[a] for a in ((head_axes,) if isinstance(head_axes, str) else head_axes))
+    return rows * heads * cfg.data.seq_len ** 2 * 4
+
+
+def compiler_note(platform: str, chip: chips_lib.Chip) -> str:
+    """Which compiler's numbers these are, and what they mean for the chip planned for."""
+    if platform == "tpu":
+        return "TPU compiler (libtpu): memory, collectives and cost are the TPU's own"
+    if platform == "gpu" or chip.host_shared:
+        return f"{platform.upper()} compiler on the devices present"
+    return (f"CPU compiler standing in for {chip.name}: memory is an upper bound (the CPU compiler keeps more "
+            f"temporaries than a GPU's fusions and attention kernels); FLOPs and collectives are the program's")
 
 
 def comm_mode(prog: step_lib.Program) -> dict | None:
@@ -120,22 +147,32 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     total_b = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    platform = mesh.devices.flat[0].platform
+    optimal_s = cost.get("optimal_seconds")  # the TPU cost model's step time (its loop bodies counted once)
     text = compiled.as_text()
     loop_flops, loop_bytes = hlo.loop_repeats_cost(text)
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
     bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
     colls = hlo.collectives(text, dict(mesh.shape))
+    dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1}
+    if platform == "tpu" and dcn_axes:  # multi-slice: libtpu's cross-slice reductions
+        slices = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
+        colls += hlo.dcn_reductions(text, tuple(a for a in MESH_AXES if a in dcn_axes), slices)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     flops_token = model_flops_per_token(cfg, n_params)
-    dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1}
-    stages = mesh.shape["pipeline"]
     return {
         "config": cfg.name, "model": cfg.model.name, "devices": n, "chip": chip.name,
+        "compiler": platform, "compiler_note": compiler_note(platform, chip), "topology": topology_name(mesh),
         "mesh": {a: int(s) for a, s in mesh.shape.items()},
         "params": {"count": n_params, "bytes": sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))},
         "memory_per_device_bytes": {
             "params": params_b, "optimizer": mem.argument_size_in_bytes - params_b - batch_b, "batch": batch_b,
             "temp": mem.temp_size_in_bytes, "total": total_b},
+        "compiled_memory_bytes": {  # memory_analysis() as the compiler gave it
+            "arguments": mem.argument_size_in_bytes, "temp": mem.temp_size_in_bytes,
+            "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes,
+            "generated_code": mem.generated_code_size_in_bytes},
+        "attention_scores_bytes_per_layer": attention_scores_bytes(cfg, mesh),
         "memory_limit_bytes": chip_dev.hbm_bytes,
         "fits": total_b <= chip_dev.hbm_bytes,
         "margin_bytes": chip_dev.hbm_bytes - total_b,
@@ -150,13 +187,21 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "loop_repeats_per_device": {"flops": loop_flops, "bytes": loop_bytes},
         "model_flops_per_token": flops_token,
         "model_flops_per_step": flops_token * tokens,
-        "estimate": estimate(flops_dev, bytes_dev, colls, chip_dev, dcn_axes, flops_token * tokens, n),
-        "pipeline": None if stages <= 1 else {
-            "schedule": cfg.train.pipeline_schedule, "stages": int(stages),
-            "microbatches": cfg.train.microbatches or 2 * int(stages), "repeats": cfg.train.pipeline_repeats,
-            "bubble_fraction": bubble_fraction(cfg, int(stages))},
+        "estimate": {**estimate(flops_dev, bytes_dev, colls, chip_dev, dcn_axes, flops_token * tokens, n),
+                     "tpu_cost_model_step_s": float(optimal_s) if optimal_s and optimal_s > 0 else None,
+                     "cost_analysis_optimal_seconds": None if optimal_s is None else float(optimal_s)},
+        "pipeline": pipeline_schedule(cfg, mesh),
         "compile_s": compile_s,
     }
+
+
+def topology_name(mesh) -> str | None:
+    """"v5e 16x16" / "v5p 4x4x8 x 2 slices" for a mesh of TPU devices, else None."""
+    d = mesh.devices.flat[0]
+    if d.platform != "tpu":
+        return None
+    slices = len({getattr(x, "slice_index", 0) or 0 for x in mesh.devices.flat})
+    return f"{d.device_kind}, {mesh.devices.size} chips" + (f" in {slices} slices" if slices > 1 else "")
 
 
 def compile_fast(lowered, platform: str):
@@ -203,6 +248,8 @@ def format_report(r: dict) -> str:
     lines = [
         f"{r['config']}: {r['model']} {r['params']['count'] / 1e6:.2f}M params ({gib(r['params']['bytes'])}) "
         f"on {r['devices']} devices, mesh " + ", ".join(f"{a}={s}" for a, s in r["mesh"].items()),
+        f"compiled by the {r['compiler_note']}" + (f"; {r['topology']}" if r["topology"] else "")
+        + f"; compile {r['compile_s']:.1f} s",
         "", "memory per device",
         *(f"  {k:<10} {gib(v):>14}" for k, v in m.items()),
         f"  {'limit':<10} {gib(r['memory_limit_bytes']):>14}  ({r['chip']})",
@@ -217,6 +264,13 @@ def format_report(r: dict) -> str:
         f"bound by {e['bottleneck']} (compute {e['compute_s'] * 1e3:.3f} ms, memory {e['memory_s'] * 1e3:.3f} ms, "
         f"communication {e['comm_s'] * 1e3:.3f} ms)",
     ]
+    if e.get("tpu_cost_model_step_s"):
+        lines.append(f"TPU cost model (cost_analysis optimal_seconds, loop bodies once): "
+                     f"{e['tpu_cost_model_step_s'] * 1e3:.3f} ms")
+    if r["compiler"] == "cpu" and not r["chip"] == "cpu":
+        scores = gib(r["attention_scores_bytes_per_layer"])
+        lines.append(f"check by hand: one layer's f32 attention scores are {scores} per device (XLA attention "
+                     "materialises them; a flash / cuDNN kernel does not)")
     if r.get("comm_mode"):
         c = r["comm_mode"]
         lines.append(f"train.grad_reduce_dtype={c['grad_reduce_dtype']}, train.sync={c['sync']}: per device per step "
@@ -233,10 +287,37 @@ def format_report(r: dict) -> str:
 # ----------------------------------------------------------------------------- entry point
 
 
+def hardware(cfg: RunConfig, args) -> HardwareConfig:
+    """What to plan for: --chip / --topology / --slices, else the config's `hardware` section."""
+    hw, chip = cfg.hardware, getattr(args, "chip", None)
+    flag_topology, flag_slices = getattr(args, "topology", None), getattr(args, "slices", None)
+    same_chip = chip in (None, hw.chip)
+    if (flag_topology or flag_slices) and chip is None and hw.chip is None:
+        raise ConfigError("--topology needs the chip it is a topology of: --chip v5e (or hardware.chip in the config)")
+    out = HardwareConfig(chip=chip or hw.chip,
+                         topology=flag_topology or (hw.topology if same_chip else None),
+                         slices=flag_slices or (hw.slices if same_chip and not flag_topology else 1))
+    if chip is not None and chip not in chips_lib.CHIPS:
+        raise ConfigError(f"--chip: unknown chip '{chip}'; known: {', '.join(chips_lib.CHIPS)}")
+    validate_hardware(dataclasses.replace(cfg, hardware=out))
+    return out
+
+
+def target_devices(cfg: RunConfig, hw: HardwareConfig, n: int | None) -> list:
+    """The devices to plan on: a TPU topology's compile-only devices, else the real or simulated ones."""
+    if hw.topology is None:
+        return plan_devices(n or cli_devices(cfg))
+    devices = list(topology.devices(chips_lib.CHIPS[hw.chip], hw.topology, hw.slices))
+    if n is not None and n != len(devices):
+        raise ConfigError(f"--devices {n}: the {hw.chip} topology {hw.topology} x {hw.slices} slice(s) has "
+                          f"{len(devices)} chips; drop --devices or change the topology")
+    return devices
+
+
 def main(cfg: RunConfig, args) -> int:
-    n = args.devices or cli_devices(cfg)
-    devices = plan_devices(n)
-    chip = pick_chip(args.chip, devices, getattr(args, "memory_limit", None))
+    hw = hardware(cfg, args)
+    devices = target_devices(cfg, hw, args.devices)
+    chip = pick_chip(hw.chip, devices, getattr(args, "memory_limit", None))
     if args.search:
         from shardtrain import search
         result = search.search(cfg, devices, chip)

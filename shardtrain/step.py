@@ -142,8 +142,9 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
 
     tx = optim.make(cfg)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
-                                          transform_non_params=lambda _: replicated)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 - parameters without state (frozen by LoRA)
+    opt_shardings = optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, abstract_opt, param_shardings,
+                                          transform_non_params=lambda _: replicated, is_leaf=masked)
     state_shardings = {"params": param_shardings, "opt": opt_shardings, "step": replicated}
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   {"params": abstract_params, "opt": abstract_opt,

@@ -29,7 +29,7 @@ def run_cli(capsys, *argv):
     (["rules.heads=model"], "rules.heads: unknown mesh axis 'model'"),
     (["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8"], "parameter blocks/wk_dke (2, 32, 4, 8): dimension 2 ('kv_heads') of size 4 is not divisible by mesh axes tensor = 8"),
     (["data.path=/nonexistent/*.txt"], "data.path: no files found at '/nonexistent/*.txt'"),
-    (["model.name=bert"], "model.name: unknown model 'bert'; known: gpt, mlp"),
+    (["model.name=bert"], "model.name: unknown model 'bert'; known: gpt, llama, mlp"),
 ])
 def test_bad_input_exits_2_with_the_field(capsys, tmp_path, overrides, message):
     code, err = run_cli(capsys, "train", "meshes/demo.yaml", *TINY, *overrides, f"run_dir={tmp_path}")

@@ -205,7 +205,12 @@ def check_statically(c: Command, tmp_path) -> None:
         data.samples(cfg)
     if args.command == "plan" and args.search:
         return  # the search itself lists what does not build
-    sizes = mesh_lib.resolve_sizes(cfg.mesh, devices_of(c))
+    n = devices_of(c)
+    if args.command == "plan":  # a TPU topology (hardware: or --topology) has its own chip count
+        from shardtrain import plan, topology
+        hw = plan.hardware(cfg, args)
+        n = topology.chip_count(hw.topology, hw.slices) if hw.topology else n
+    sizes = mesh_lib.resolve_sizes(cfg.mesh, n)
     axes = config.MESH_AXES
     mesh = AbstractMesh(tuple(sizes[a] for a in axes), axes, axis_types=(AxisType.Auto,) * len(axes))
     prog = step.build(cfg, mesh)

@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from shardtrain import chips, config, hlo, mesh as mesh_lib, plan, search, step
+from shardtrain import chips, config, hlo, mesh as mesh_lib, pipeline, plan, search, step
 
 # The core still calls flax/optax APIs that flax 0.12.8 / optax 0.2.8 deprecate (for the core to fix).
 
@@ -88,7 +88,8 @@ def test_fsdp_gathers_parameters_and_reduce_scatters_gradients(model):
 def test_plan_json_equals_the_compiled_train_step(cfg_factory, capsys):
     overrides = [*SMALL, "model.name=gpt", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
     cfg = cfg_factory(*overrides)
-    args = argparse.Namespace(devices=None, chip="h100", json=True, search=False, write=None, memory_limit=None)
+    args = argparse.Namespace(devices=None, chip="h100", topology=None, slices=None, json=True, search=False,
+                              write=None, memory_limit=None)
     assert plan.main(cfg, args) == 0
     r = json.loads(capsys.readouterr().out)
     compiled = step.build(cfg, mesh_lib.make_mesh(cfg.mesh)).lower().compile()
@@ -136,13 +137,32 @@ def test_gradient_accumulation_plans_the_flops_of_every_micro_batch():
     assert four["flops_per_device"] == pytest.approx(one["flops_per_device"], rel=0.03)
 
 
-def test_bubble_fraction_of_the_schedules():
-    cfg = config.load(None, ["train.microbatches=8"])
-    assert plan.bubble_fraction(cfg, 1) is None
-    assert plan.bubble_fraction(cfg, 4) == pytest.approx(3 / 11)
-    circular = config.load(None, ["train.microbatches=8", "train.pipeline_schedule=circular",
-                                  "train.pipeline_repeats=2"])
-    assert plan.bubble_fraction(circular, 4) == pytest.approx(3 / 19)
+def test_plan_pipeline_is_the_schedule_the_trainer_compiles():
+    cfg = small_cfg("gpt", (2, 2, 1), "mesh.pipeline=2", "train.global_batch_size=32")
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()))
+    compiled, _ = plan.compile_program(prog)
+    p = plan.report(prog, compiled, chips.CHIPS["cpu"])["pipeline"]
+    # pipeline.py's default: the largest M <= 4 x 2 stages dividing the 32 / (2 x 2) rows per replica
+    assert p["microbatches"] == pipeline.microbatches(cfg, prog.mesh) == 8
+    # the step runs M + P - 1 schedule iterations: the loop the trainer compiles has that trip count
+    trips = {int(n) for n in hlo._TRIP.findall(compiled.as_text())}
+    assert p["microbatches"] + p["stages"] - 1 in trips
+    assert p["bubble_fraction"] == pytest.approx((p["stages"] - 1) / (p["microbatches"] + p["stages"] - 1))
+
+
+def test_mfu_stays_within_one_when_the_compiler_counts_fewer_flops_than_the_model():
+    # remat=dots recomputes no matmul and the one-hot embedding has no input gradient: with a large
+    # vocabulary the compiled FLOPs fall below 6N + attention (meshes/gpu_1x8.yaml read MFU 1.0066 on that)
+    cfg = config.load(None, ["model.d_model=256", "model.n_layers=1", "model.d_ff=512", "model.vocab_size=16384",
+                             "data.seq_len=16", "train.global_batch_size=32", "data.source=synthetic", "mesh.data=1",
+                             "mesh.fsdp=8", "mesh.tensor=1", "train.remat=dots"])
+    r = plan.plan_one(cfg, jax.devices(), chips.CHIPS["h100"])
+    assert r["flops_per_step"] < r["model_flops_per_step"]
+    e = r["estimate"]
+    assert 0 < e["mfu"] <= 1
+    assert e["compute_s"] == pytest.approx(r["model_flops_per_step"] / 8 / 989e12)
+    quick = plan.estimate(1.0, 0.0, [], chips.CHIPS["h100"], set(), 8e12, 8)  # a kernel the cost model cannot see
+    assert quick["mfu"] == pytest.approx(1.0) and quick["bottleneck"] == "compute"
 
 
 def test_factorisations_are_complete_and_unique():

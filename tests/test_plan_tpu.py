@@ -1,0 +1,159 @@
+"""`shardtrain plan` with the real TPU compiler (libtpu, compile-only devices of a v5e:2x2 slice):
+per-chip argument bytes against the analytical shard bytes, the TPU's collectives, the config's
+`hardware` section, and the bound on MFU."""
+
+import argparse
+import functools
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from shardtrain import chips, config, mesh as mesh_lib, plan, step, topology
+
+# An MLP whose sharded dimensions are 4 x 128 (TPU arrays are tiled by 8 x 128: with smaller
+# dimensions the compiler pads them and the bytes are the padded ones), one layer, rows of 128 tokens.
+D = 512
+TPU_SMALL = ["model.name=mlp", "model.n_layers=1", f"model.d_model={D}", f"model.d_ff={D}", f"model.vocab_size={D}",
+             "data.seq_len=127", "train.global_batch_size=32", "data.source=synthetic"]
+PARAM_BYTES = 4 * D * D * 4  # embedding, w_in, w_out, unembed; float32
+MESHES = {"data": (4, 1, 1), "fsdp": (1, 4, 1), "tensor": (1, 1, 4)}
+HARDWARE = ["hardware.chip=v5e", "hardware.topology=2x2"]
+
+
+def tpu_cfg(mesh_name, *extra):
+    d, f, t = MESHES[mesh_name]
+    return config.load(None, [*TPU_SMALL, *HARDWARE, f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}", *extra])
+
+
+@functools.lru_cache(maxsize=None)
+def planned(mesh_name: str) -> dict:
+    cfg = tpu_cfg(mesh_name)
+    return plan.plan_one(cfg, list(topology.devices(chips.CHIPS["v5e"], "2x2")), chips.CHIPS["v5e"])
+
+
+def test_config_hardware_plans_on_the_tpu_compiler_without_flags(capsys):
+    args = argparse.Namespace(devices=None, chip=None, topology=None, slices=None, json=True, search=False,
+                              write=None, memory_limit=None)
+    assert plan.main(tpu_cfg("fsdp"), args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["compiler"] == "tpu" and r["chip"] == "v5e" and r["devices"] == 4
+    assert r["estimate"]["chip"] == "v5e" and r["memory_limit_bytes"] == 16 * 2 ** 30
+    assert r["memory_per_device_bytes"] == planned("fsdp")["memory_per_device_bytes"]
+    assert r["compile_s"] > 0 and r["fits"]
+
+
+def test_tpu_argument_bytes_are_the_analytical_shard_bytes():
+    args = {name: planned(name)["compiled_memory_bytes"]["arguments"] for name in MESHES}
+    batch = {name: planned(name)["memory_per_device_bytes"]["batch"] for name in MESHES}
+    state = 3 * PARAM_BYTES  # parameters and AdamW's two moments
+    assert batch == {"data": 8 * 128 * 4, "fsdp": 8 * 128 * 4, "tensor": 32 * 128 * 4}
+    # data holds the whole state, fsdp and tensor a quarter of it: the differences are exact
+    assert args["data"] - args["fsdp"] == state - state // 4
+    assert args["tensor"] - args["fsdp"] == batch["tensor"] - batch["fsdp"]
+    # and the rest is the three int32 counters (step, Adam's and the schedule's), each one tile
+    for name in MESHES:
+        m = planned(name)["memory_per_device_bytes"]
+        assert m["params"] == PARAM_BYTES // (1 if name == "data" else 4)
+        assert 0 < args[name] - 3 * m["params"] - m["batch"] <= 4 * 512
+
+
+def test_tpu_fsdp_gathers_weights_and_reduce_scatters_gradients():
+    c = planned("fsdp")["collectives"]
+    assert {a for row in c.values() for a in row["axes"]} == {"fsdp"}
+    assert c["reduce-scatter"]["bytes"] == PARAM_BYTES  # every gradient, reduced and scattered (bf16 nowhere)
+    assert PARAM_BYTES <= c["all-gather"]["bytes"] <= 2 * PARAM_BYTES  # forward, and backward unless kept
+    assert c.get("all-reduce", {"bytes": 0})["bytes"] <= 64  # only the loss and metric scalars
+    d = planned("data")["collectives"]
+    assert set(d) == {"all-reduce"} and PARAM_BYTES <= d["all-reduce"]["bytes"] <= PARAM_BYTES + 64
+
+
+def test_tpu_estimate_is_within_the_chip():
+    for name in MESHES:
+        e = planned(name)["estimate"]
+        assert 0 < e["mfu"] <= 1 and e["chip"] == "v5e"
+        assert e["tpu_cost_model_step_s"] is None or e["tpu_cost_model_step_s"] > 0
+
+
+def test_topology_mistakes_are_one_line_config_errors():
+    with pytest.raises(config.ConfigError, match="hardware.topology=16x16: needs hardware.chip to name a TPU"):
+        config.load(None, ["hardware.chip=h100", "hardware.topology=16x16"])
+    with pytest.raises(config.ConfigError, match="hardware.chip: unknown chip 'v5x'"):
+        config.load(None, ["hardware.chip=v5x"])
+    with pytest.raises(config.ConfigError, match="expected chips per dimension"):
+        config.load(None, ["hardware.chip=v5e", "hardware.topology=16x"])
+    with pytest.raises(config.ConfigError, match=r"mesh.dcn: its product 2 must equal hardware.slices=1"):
+        config.load(None, ["hardware.chip=v5p", "hardware.topology=2x2x1", "mesh.dcn.data=2"])
+    with pytest.raises(config.ConfigError, match="libtpu has no v5e topology 'v5e:3x7'"):
+        topology.devices(chips.CHIPS["v5e"], "3x7")
+
+
+def test_missing_libtpu_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(topology.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(config.ConfigError, match=r"pip install 'shardtrain\[tpu\]'"):
+        topology.devices(chips.CHIPS["v6e"], "2x2")
+
+
+def test_topology_devices_are_the_slices_chips():
+    devices = topology.devices(chips.CHIPS["v5p"], "2x2x1", 2)
+    assert len(devices) == 8 and {d.platform for d in devices} == {"tpu"}
+    assert sorted({d.slice_index for d in devices}) == [0, 1]
+    assert jax.devices()[0].platform == "cpu"  # the tests' own devices are untouched
+
+
+def test_multi_slice_plan_counts_the_reduction_across_slices():
+    """Two v5p 2x2x1 slices, fsdp=4 inside each, data=2 across them over DCN: the gradient shards
+    (a quarter of every gradient per chip) are reduced across the slices once per step."""
+    cfg = config.load(None, [*TPU_SMALL, "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=1", "mesh.dcn.data=2",
+                             "hardware.chip=v5p", "hardware.topology=2x2x1", "hardware.slices=2"])
+    r = plan.plan_one(cfg, list(topology.devices(chips.CHIPS["v5p"], "2x2x1", 2)), chips.CHIPS["v5p"])
+    assert r["devices"] == 8 and "2 slices" in r["topology"]
+    across = r["collectives"]["all-reduce"]
+    assert "data" in across["axes"]
+    assert PARAM_BYTES // 4 <= across["bytes"] <= PARAM_BYTES // 4 + 64 * 1024  # + the loss and metric scalars
+    assert r["collectives"]["reduce-scatter"]["bytes"] == PARAM_BYTES and r["estimate"]["comm_s"] > 0
+
+
+SHIPPED = sorted(glob.glob("meshes/*.yaml"))
+TPU_SHIPPED = [p for p in SHIPPED if config.load(p).hardware.topology]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in SHIPPED if p not in TPU_SHIPPED])
+def test_every_shipped_config_fits_the_hardware_it_names(path):
+    """`shardtrain plan CONFIG`, no flags: GPU configs through the CPU compiler (an upper bound), demo on cpu."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets the mesh's device count
+    out = subprocess.run([sys.executable, "-m", "shardtrain.cli", "plan", path, "--json"], env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert r["chip"] == (config.load(path).hardware.chip or "cpu") and r["compiler"] == "cpu"
+    assert r["fits"], f"{path}: {r['memory_per_device_bytes']['total'] / 2 ** 30:.2f} GiB per device"
+    assert 0 < r["estimate"]["mfu"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", TPU_SHIPPED)
+def test_every_shipped_tpu_config_fits_its_topology(path):
+    """The TPU compiler on the config's own topology, at 2 layers (a full compile takes minutes; the
+    acceptance script and `shardtrain plan CONFIG` compile all of them): what depth adds per chip is
+    the state of the other layers (exact, from the abstract state) and, with train.remat=full, each
+    layer's saved bf16 input; both are added before comparing with the chip's memory."""
+    cfg = config.load(path)
+    short = config.load(path, ["model.n_layers=2"])
+    hw = cfg.hardware
+    chip, devices = chips.CHIPS[hw.chip], list(topology.devices(chips.CHIPS[hw.chip], hw.topology, hw.slices))
+    assert cfg.train.remat == "full" and cfg.train.compute_dtype == "bfloat16"
+    r = plan.plan_one(short, devices, chip)
+    assert r["compiler"] == "tpu" and r["chip"] == hw.chip
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    state = {c.model.n_layers: plan.shard_bytes(step.build(c, mesh).abstract_state) for c in (cfg, short)}
+    rows = cfg.train.global_batch_size // cfg.train.grad_accum_steps // (mesh.shape["data"] * mesh.shape["fsdp"])
+    saved = (cfg.model.n_layers - 2) * rows * cfg.data.seq_len * cfg.model.d_model * 2
+    total = r["memory_per_device_bytes"]["total"] + state[cfg.model.n_layers] - state[2] + saved
+    assert total <= chip.hbm_bytes, f"{path}: about {total / 2 ** 30:.2f} GiB per chip"
+    assert 0 < r["estimate"]["mfu"] <= 1
