@@ -11,6 +11,7 @@ import importlib
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 MODELS = {"gpt": "models.gpt:Gpt", "llama": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
@@ -46,15 +47,15 @@ def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
     return make(rngs)
 
 
-def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None):
-    """Runs stacked blocks in order with lax.scan; `wrap` decorates the per-layer body (remat).
-    `segment_ids` / `positions` (B, T) describe packed documents; None: one document per row."""
+def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None, unroll: int = 1):
+    """Runs stacked blocks in order with a rolled lax.scan (`unroll` layers per iteration), so the
+    program does not grow with depth; `wrap` decorates the per-layer body (remat)."""
     graphdef, state = nnx.split(blocks)
 
     @wrap
     def body(x, layer_state):
         return nnx.merge(graphdef, layer_state)(x, segment_ids, positions), None
-    return jax.lax.scan(body, x, state, unroll=True)[0]
+    return jax.lax.scan(body, x, state, unroll=unroll)[0]
 
 
 # The two helpers below are the models' own arithmetic written in a form that suits the compilers,
@@ -70,10 +71,13 @@ def dense(x, w, n_in=1):
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
 
 
-def embed_lookup(table_vd, tokens_bt):
-    """Token embeddings as a one-hot matmul (= `table_vd[tokens_bt]`): it shards cleanly over vocab
-    and embed, where a gather from a vocab-sharded table makes XLA replicate the table."""
-    return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd)
+def embed_lookup(table_vd, tokens_bt, how: str = "gather"):
+    """Token embeddings: `gather` takes rows of the table (no B x T x V intermediate, no 2 V D
+    FLOPs per token); `one_hot` is a one-hot matmul, which shards cleanly over a vocab-sharded
+    table (a gather from one makes XLA replicate the table) and is fast for tiny vocabularies."""
+    if how == "one_hot":
+        return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd)
+    return jnp.take(table_vd, tokens_bt, axis=0)
 
 
 def no_constraint(x, names):

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from models import BTD, BTF, BTV, dense, embed_lookup, no_constraint, param, scan_blocks, stacked
+from models import BTD, BTF, BTV, attention, dense, embed_lookup, no_constraint, param, scan_blocks, stacked
 
 normal = nnx.initializers.normal
 ones = nnx.initializers.ones
@@ -83,7 +84,7 @@ class Block(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
         d, h, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
         e = cfg.head_dim or d // h
-        self.theta, self.constrain = cfg.rope_theta, constrain
+        self.theta, self.constrain, self.attention = cfg.rope_theta, constrain, cfg.attention
         self.rope_scaling, self.eps = cfg.rope_scaling, cfg.rms_norm_eps
         self.attn_norm = param(rngs, ones, (d,), (None,))
         self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
@@ -141,11 +142,12 @@ class Block(nnx.Module):
         return c(x_btd + out_btd, BTD)
 
     def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
+        x_btd = checkpoint_name(x_btd, "layer_input")  # names for train.remat=offload
         q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
-        # causal, and with segment ids only within a document: (B, 1, T, T) broadcast over heads
-        seg_bt = segment_ids_bt
-        same_b1tt = None if seg_bt is None else seg_bt[:, None, :, None] == seg_bt[:, None, None, :]
-        return self.finish(x_btd, jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=same_b1tt, is_causal=True))
+        o_bthe = attention.attend(q_bthe, k_btke, v_btke, segment_ids_bt=segment_ids_bt, impl=self.attention,
+                                  constrain=self.constrain)
+        o_bthe = checkpoint_name(self.constrain(o_bthe, BTHE), "attention_out")
+        return self.finish(x_btd, o_bthe)
 
     def decode(self, x_btd, k_bske, v_bske, slot, positions_bt, first_b):
         """The block for T new tokens written at cache slots slot..slot+T-1 (positions_bt their
@@ -162,7 +164,7 @@ class Block(nnx.Module):
 
 class Gpt(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
-        self.constrain, self.eps = constrain, cfg.rms_norm_eps
+        self.constrain, self.eps, self.embed_how = constrain, cfg.rms_norm_eps, cfg.embed
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain), cfg.n_layers, rngs)
         self.final_norm = param(rngs, ones, (cfg.d_model,), (None,))
@@ -171,7 +173,7 @@ class Gpt(nnx.Module):
                                     ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt)
+        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how)
         return self.constrain(x_btd, BTD)
 
     def head(self, x_btd):
@@ -179,8 +181,9 @@ class Gpt(nnx.Module):
         logits_btv = dense(rms_norm(x_btd, self.final_norm[...], self.eps), unembed_dv)
         return self.constrain(logits_btv, BTV)
 
-    def __call__(self, tokens_bt):
-        return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))
+    def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):
+        return self.head(scan_blocks(self.blocks, self.embed(tokens_bt), segment_ids=segment_ids_bt,
+                                     positions=positions_bt))
 
     def decode(self, tokens_bt, cache, slot, positions_bt, first_b):
         """Logits of T new tokens given a KV cache {"k", "v": (L, B, S, K, E)} (see Block.decode);

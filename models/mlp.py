@@ -26,18 +26,18 @@ class Block(nnx.Module):
 
 class Mlp(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
-        self.constrain = constrain
+        self.constrain, self.embed_how = constrain, cfg.embed
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain), cfg.n_layers, rngs)
         self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        return self.constrain(embed_lookup(self.embedding_vd[...], tokens_bt), BTD)
+        return self.constrain(embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how), BTD)
 
     def head(self, x_btd):
         return self.constrain(dense(x_btd, self.unembed_dv[...]), BTV)
 
-    def __call__(self, tokens_bt):
+    def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):
         return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))
 
     @staticmethod

@@ -14,6 +14,10 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # the activations models name with checkpoint_name go to host memory, everything else is recomputed
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input", "attention_out"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -22,4 +26,4 @@ def scan_runner(cfg: RunConfig) -> Callable:
     `**docs` (segment_ids, positions) describe packed documents."""
     policy = REMAT_POLICIES.get(cfg.train.remat)
     wrap = (lambda f: jax.checkpoint(f, policy=policy)) if policy else (lambda f: f)
-    return lambda blocks, x, **docs: models.scan_blocks(blocks, x, wrap=wrap, **docs)
+    return lambda blocks, x, **docs: models.scan_blocks(blocks, x, wrap=wrap, unroll=cfg.train.scan_unroll, **docs)

@@ -144,6 +144,13 @@ class ModelConfig:
     d_ff: int = 512
     """Hidden size of the (SwiGLU) MLP."""
     rope_theta: float = 10000.0
+    attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"
+    """Attention implementation (models/attention.py): `xla` materialises the T x T scores;
+    `chunked` is flash-style plain XLA (long sequences anywhere); `splash` the Pallas TPU kernel;
+    `cudnn` cuDNN flash attention on NVIDIA GPUs; `auto`: splash on TPU, cudnn on GPU, xla on CPU."""
+    embed: Literal["gather", "one_hot"] = "gather"
+    """Token embedding: `gather` rows of the table (no B x T x V intermediate); `one_hot` a one-hot
+    matmul (shards cleanly over a vocab-sharded table; 2 V D FLOPs per token)."""
     rope_scaling: Optional[RopeScalingConfig] = None
     """Rotary frequency scaling (Llama 3.1+ `llama3`, or `linear`); null: none."""
     rms_norm_eps: float = 1e-6
@@ -209,8 +216,17 @@ class TrainConfig:
     global_batch_size: int = 32
     grad_accum_steps: int = 1
     """Micro-batches per step, accumulated inside the compiled step (same update as the full batch)."""
-    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
-    """Activation recomputation policy for each layer (jax.checkpoint_policies)."""
+    remat: Literal["none", "full", "dots", "dots_no_batch", "offload"] = "none"
+    """Activation recomputation policy for each layer (jax.checkpoint_policies). `offload` keeps
+    each layer's input and attention output in host memory (pinned_host) and recomputes the rest:
+    TPU / GPU only."""
+    scan_unroll: int = 1
+    """Layers per iteration of the `lax.scan` over layers: 1 keeps the compiled program and compile
+    time flat in depth; n_layers unrolls it fully (sometimes faster for small models on CPU)."""
+    loss_chunk: int = 512
+    """Sequence positions per cross-entropy chunk: the logits (B x chunk x vocab) are computed,
+    reduced and recomputed in the backward pass one chunk at a time, never for the whole sequence;
+    0 or >= seq_len: one chunk."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of stored (master) weights and optimizer state."""
@@ -488,7 +504,7 @@ def validate(cfg: RunConfig) -> None:
                         ("train.grad_accum_steps", t.grad_accum_steps), ("train.log_every", t.log_every),
                         ("data.seq_len", cfg.data.seq_len), ("checkpoint.every_steps", cfg.checkpoint.every_steps),
                         ("train.sync_every", t.sync_every), ("train.pipeline_repeats", t.pipeline_repeats),
-                        ("train.eval_steps", t.eval_steps)]:
+                        ("train.scan_unroll", t.scan_unroll), ("train.eval_steps", t.eval_steps)]:
         if value < 1:
             raise ConfigError(f"{name}: must be >= 1, got {value}")
     if t.eval_every < 0:
@@ -512,6 +528,11 @@ def validate(cfg: RunConfig) -> None:
     if not 0 <= cfg.checkpoint.writer_niceness <= 19:
         raise ConfigError(f"checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), "
                           f"got {cfg.checkpoint.writer_niceness}")
+    if t.loss_chunk < 0:
+        raise ConfigError(f"train.loss_chunk: must be >= 0 (0: one chunk), got {t.loss_chunk}")
+    if 0 < t.loss_chunk < cfg.data.seq_len and cfg.data.seq_len % t.loss_chunk:
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must divide data.seq_len={cfg.data.seq_len}; "
+                          f"choose a divisor or 0 (one chunk)")
     if t.global_batch_size % t.grad_accum_steps:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.grad_accum_steps={t.grad_accum_steps}")

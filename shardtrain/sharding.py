@@ -106,3 +106,28 @@ class Constrain:
         current = jax.sharding.get_abstract_mesh()
         mesh = current if current.manual_axes else self.mesh
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    @property
+    def platform(self) -> str | None:
+        """Platform of the mesh's devices ('tpu' for abstract TPU topology devices), or None (no mesh,
+        or an AbstractMesh, which has no devices)."""
+        devices = getattr(self.mesh, "devices", None)
+        return None if devices is None else devices.flat[0].platform
+
+    def shard_map(self, fn, in_names, out_names):
+        """`fn` run per shard (a `jax.shard_map`) with inputs and outputs split by logical names:
+        for kernels that need local shapes (splash attention). Manual over every mesh axis not
+        already manual; axes the names leave out see replicated data. No mesh: `fn` itself."""
+        if self.mesh is None:
+            return fn
+        current = jax.sharding.get_abstract_mesh()
+        mesh = current if current.manual_axes else self.mesh
+        free = {a for a in self.mesh.axis_names if a not in current.manual_axes}
+
+        def spec(names, what):
+            return spec_for(names, self.rules, self.mesh, what=f"{what} {names}")
+
+        in_specs = tuple(spec(n, "shard_map input") for n in in_names)
+        out_specs = spec(out_names, "shard_map output")
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=free, check_vma=False)

@@ -26,6 +26,7 @@ import models
 from shardtrain import comm, data, optim, pipeline, sharding
 from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
+from shardtrain.loss import weighted_cross_entropy_sum
 
 
 @dataclasses.dataclass
@@ -123,9 +124,6 @@ def abstract_model(cfg: RunConfig, constrain=models.no_constraint):
     return nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0), constrain=constrain))
 
 
-def cross_entropy(logits_btv, targets_bt):
-    """Per-token cross-entropy (B, T), float32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
 
 
 # ----------------------------------------------------------------------------- the pieces of `build`
@@ -194,7 +192,8 @@ def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
         inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
         docs = {} if segment_ids_bt is None else {"segment_ids": segment_ids_bt, "positions": positions_bt}
         x_btd = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
-        return (cross_entropy(model.head(x_btd), targets_bt) * weights_bt).sum(), weights_bt.sum()
+        total = weighted_cross_entropy_sum(model.head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk)
+        return total, weights_bt.sum()
     return loss_sums
 
 
