@@ -111,8 +111,9 @@ class Constrain:
     def platform(self) -> str | None:
         """Platform of the mesh's devices ('tpu' for abstract TPU topology devices), or None (no mesh,
         or an AbstractMesh, which has no devices)."""
-        devices = getattr(self.mesh, "devices", None)
-        return None if devices is None else devices.flat[0].platform
+        if self.mesh is None or isinstance(self.mesh, jax.sharding.AbstractMesh):
+            return None
+        return self.mesh.devices.flat[0].platform
 
     def shard_map(self, fn, in_names, out_names):
         """`fn` run per shard (a `jax.shard_map`) with inputs and outputs split by logical names:
