@@ -80,6 +80,13 @@ def embed_lookup(table_vd, tokens_bt, how: str = "gather"):
     return jnp.take(table_vd, tokens_bt, axis=0)
 
 
+def matmul_params(cfg, n_params: int) -> int:
+    """The parameters a token's forward pass multiplies with: all of them but a separate embedding
+    table read by gather (a lookup, no FLOPs; a tied table is the unembedding's matmul)."""
+    looked_up = cfg.embed == "gather" and not getattr(cfg, "tie_embeddings", False)
+    return n_params - (cfg.vocab_size * cfg.d_model if looked_up else 0)
+
+
 def no_constraint(x, names):
     return x
 

@@ -20,7 +20,19 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models import BTD, BTF, BTV, attention, dense, embed_lookup, no_constraint, param, scan_blocks, stacked
+from models import (
+    BTD,
+    BTF,
+    BTV,
+    attention,
+    dense,
+    embed_lookup,
+    matmul_params,
+    no_constraint,
+    param,
+    scan_blocks,
+    stacked,
+)
 
 normal = nnx.initializers.normal
 ones = nnx.initializers.ones
@@ -200,6 +212,7 @@ class Gpt(nnx.Module):
 
     @staticmethod
     def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
-        """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention's scores
-        and values, 12 L T H E."""
-        return 6 * n_params + 12 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.head_dim or cfg.d_model // cfg.n_heads)
+        """Training FLOPs per token: 6N for the matmuls (forward + backward; N without a gathered
+        embedding table) plus attention's scores and values, 12 L T H E."""
+        head_dims = cfg.n_heads * (cfg.head_dim or cfg.d_model // cfg.n_heads)
+        return 6 * matmul_params(cfg, n_params) + 12 * cfg.n_layers * seq_len * head_dims

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from models import BTD, BTF, BTV, dense, embed_lookup, no_constraint, param, scan_blocks, stacked
+from models import BTD, BTF, BTV, dense, embed_lookup, matmul_params, no_constraint, param, scan_blocks, stacked
 
 normal = nnx.initializers.normal
 
@@ -42,5 +42,6 @@ class Mlp(nnx.Module):
 
     @staticmethod
     def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
-        """Training FLOPs per token: 6N for the matmuls, forward + backward (no attention)."""
-        return 6 * n_params
+        """Training FLOPs per token: 6N for the matmuls, forward + backward (N without a gathered
+        embedding table; no attention)."""
+        return 6 * matmul_params(cfg, n_params)
