@@ -117,8 +117,9 @@ class _DrainingEventLoop(asyncio.SelectorEventLoop):
     """An event loop that finishes its pending tasks before it closes."""
 
     def close(self) -> None:
-        pending = [t for t in asyncio.all_tasks(self) if not t.done()]
-        if pending and not self.is_running() and not self.is_closed():
+        # until none is left: a task that fails can leave the tasks it started behind, still running
+        while not self.is_running() and not self.is_closed() and (
+                pending := [t for t in asyncio.all_tasks(self) if not t.done()]):
             self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         super().close()
 
