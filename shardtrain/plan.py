@@ -199,8 +199,21 @@ def topology_name(mesh) -> str | None:
 def compile_fast(lowered, platform: str):
     """Compiles for reading, not running: on CPU without LLVM optimisation (about half the compile time,
     bench/README.md, Planner accuracy; buffer assignment, cost analysis and collectives are decided
-    before it and came out identical)."""
-    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0} if platform == "cpu" else None)
+    before it and came out identical). A compile for a TPU topology without a TPU bypasses JAX's
+    persistent compilation cache (a run may have switched it on): its compile-only client cannot read
+    entries back ("PjRtCompiler must be constructed with a Client")."""
+    if platform == "cpu":
+        return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is in use
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def compile_program(prog: step_lib.Program):

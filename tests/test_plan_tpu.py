@@ -70,6 +70,24 @@ def test_tpu_fsdp_gathers_weights_and_reduce_scatters_gradients():
     assert set(d) == {"all-reduce"} and PARAM_BYTES <= d["all-reduce"]["bytes"] <= PARAM_BYTES + 64
 
 
+def test_tpu_plan_bypasses_the_persistent_compilation_cache_a_run_switched_on(tmp_path, monkeypatch):
+    """A topology's compile-only client cannot read cache entries back: planning twice in a process
+    whose compilation cache is on (as `train` turns it on) must not try to."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from shardtrain import cli
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = tpu_cfg("fsdp")
+    cli.enable_compile_cache(cfg)
+    try:
+        devices = list(topology.devices(chips.CHIPS["v5e"], "2x2"))
+        first, again = (plan.plan_one(cfg, devices, chips.CHIPS["v5e"]) for _ in range(2))
+        assert first["memory_per_device_bytes"] == again["memory_per_device_bytes"]
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
+
+
 def test_tpu_estimate_is_within_the_chip():
     for name in MESHES:
         e = planned(name)["estimate"]

@@ -128,7 +128,8 @@ def test_data_parallel_all_reduces_every_gradient_once_and_gathers_nothing():
 
 
 def test_fsdp_gathers_weights_not_activations():
-    prog, text = compiled_text("mesh.fsdp=8")
+    # layers unrolled: the text then holds every layer's gathers (a rolled scan's body holds one layer's)
+    prog, text = compiled_text("mesh.fsdp=8", "train.scan_unroll=2")
     params = prog.abstract_state["params"]
     # one layer's share of each weight (its full size for the embedding tables)
     weights = {math.prod(x.shape[1:]) if "blocks" in jax.tree_util.keystr(p) else math.prod(x.shape)
