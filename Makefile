@@ -1,4 +1,4 @@
-# make train: create .venv, install, run the default training. make test: the whole suite.
+# make train: create .venv, install, run the default training. make test: the whole suite. make lint: ruff.
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: venv train test test-fast
+.PHONY: venv train test test-fast lint
 venv: $(STAMP)
 
 train: $(STAMP)
@@ -17,6 +17,9 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not slow"

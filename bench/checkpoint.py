@@ -51,7 +51,8 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--saves", type=int, default=4, help="saves measured after the first")
-    p.add_argument("--niceness", type=int, default=19, help="checkpoint.writer_niceness (0: writer at the step's priority)")
+    p.add_argument("--niceness", type=int, default=19,
+                   help="checkpoint.writer_niceness (0: writer at the step's priority)")
     p.add_argument("--compare", action="store_true",
                    help="measure saving with replica-parallel off (the single-process default) and on, interleaved")
     args = p.parse_args()
@@ -129,12 +130,14 @@ def main() -> None:
         c.close()
 
     med = statistics.median
-    print(f"state: {state_mb:.0f} MB ({len(names)} arrays) on {jax.device_count()} devices, mesh {dict(prog.mesh.shape)}")
+    print(f"state: {state_mb:.0f} MB ({len(names)} arrays) on {jax.device_count()} devices, "
+          f"mesh {dict(prog.mesh.shape)}")
     for name in ckpts:
         print(f"[{name}] first save (blocking + commit): {first_save[name]:.2f} s")
         print(f"[{name}] save() blocking: median {med(blocking[name]):.3f} s over {len(blocking[name])} saves "
               f"(min {min(blocking[name]):.3f}, max {max(blocking[name]):.3f}); whole save median "
-              f"{med(whole[name]):.2f} s; blocking fraction {med(blocking[name]) / med(whole[name]):.3f} (goal <= 0.05)")
+              f"{med(whole[name]):.2f} s; blocking fraction {med(blocking[name]) / med(whole[name]):.3f} "
+              "(goal <= 0.05)")
         print(f"[{name}] step time: median {med(in_flight[name]):.3f} s with a save in flight "
               f"({len(in_flight[name])} steps), {med(without):.3f} s without ({len(without)} steps, all variants); "
               f"ratio {med(in_flight[name]) / med(without):.2f} (goal <= 1.10); per save, "

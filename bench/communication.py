@@ -57,7 +57,8 @@ def measure(name: str, overrides: list[str], args) -> dict:
     every = cfg.train.sync_every if cfg.train.sync == "local_sgd" else 1
     compiled_data = traffic(cols, "data", every, branches)
     row = {"mode": name, "overrides": overrides,
-           "data_bytes": comm.bytes_per_step(prog).get(("data",), compiled_data) if comm.enabled(cfg) else compiled_data,
+           "data_bytes": (comm.bytes_per_step(prog).get(("data",), compiled_data) if comm.enabled(cfg)
+                          else compiled_data),
            "data_bytes_cpu_compiled": compiled_data,
            "fsdp_bytes": traffic(cols, "fsdp", every, branches),
            "tensor_bytes": traffic(cols, "tensor", every, branches)}
@@ -83,12 +84,14 @@ def main() -> None:
     print(f"{jax.device_count()} {jax.devices()[0].platform} devices; {args.config}, {args.steps} steps", flush=True)
     rows = [measure(m, MODES[m], args) for m in (["fp32"] + [m for m in args.modes if m != "fp32"])]
     base = rows[0]
-    print("\n| mode | data bytes/step/device | (CPU-compiled program) | fsdp | tensor | last-5 loss | vs fp32 | step time vs fp32 |")
+    print("\n| mode | data bytes/step/device | (CPU-compiled program) | fsdp | tensor | last-5 loss | vs fp32 "
+          "| step time vs fp32 |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['data_bytes'] / 1e3:.1f} kB ({r['data_bytes'] / base['data_bytes']:.3f}x) | "
               f"{r['data_bytes_cpu_compiled'] / 1e3:.1f} kB | {r['fsdp_bytes'] / 1e3:.1f} kB | "
-              f"{r['tensor_bytes'] / 1e3:.1f} kB | {r['loss_last5']:.3f} | {r['loss_last5'] / base['loss_last5']:.3f} | "
+              f"{r['tensor_bytes'] / 1e3:.1f} kB | {r['loss_last5']:.3f} | "
+              f"{r['loss_last5'] / base['loss_last5']:.3f} | "
               f"{r['step_s_median'] / base['step_s_median']:.2f} |")
 
 

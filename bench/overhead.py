@@ -31,7 +31,7 @@ def bare(cfg) -> float:
     compiled = prog.lower().compile()
     batches = loop.bare_loop_batches(prog, cfg.train.steps)
     state = prog.init(cfg.train.seed)
-    times, last = [], None
+    times, last, t = [], None, time.perf_counter()
     for batch in batches:
         state, metrics = compiled(state, batch)
         if last is not None:
@@ -64,9 +64,10 @@ def main():
     for _ in range(3):
         results["bare"].append(bare(cfg))
         results["loop"].append(shardtrain_loop(cfg))
-    b, l = statistics.median(results["bare"]), statistics.median(results["loop"])
+    bare_s, loop_s = statistics.median(results["bare"]), statistics.median(results["loop"])
     print(f"{cfg.name} mesh {dict(mesh_lib.make_mesh(cfg.mesh).shape)} on {jax.device_count()} devices: "
-          f"bare {b:.3f} s/step, shardtrain loop {l:.3f} s/step, ratio {l / b:.3f} (runs: {results})")
+          f"bare {bare_s:.3f} s/step, shardtrain loop {loop_s:.3f} s/step, ratio {loop_s / bare_s:.3f} "
+          f"(runs: {results})")
 
 
 if __name__ == "__main__":

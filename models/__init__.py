@@ -1,8 +1,12 @@
 """Model registry. A model is one module here exposing a class built as
 `cls(model_cfg, rngs=..., constrain=...)` with `embed(tokens_bt) -> x_btd`, stacked `blocks`
 (leading logical axis `layers`, each block `block(x_btd, segment_ids_bt=None, positions_bt=None) -> x_btd`;
-None means one document per row at positions 0..T-1) and `head(x_btd) -> logits_btv`.
-Models name logical axes only; `constrain(x, names)` is handed in by the trainer."""
+None means one document per row at positions 0..T-1), `head(x_btd) -> logits_btv` and
+`flops_per_token(model_cfg, n_params, seq_len)` (training FLOPs, for MFU and the planner).
+A block may return `(x_btd, aux)`, aux a dict of scalar auxiliary losses (an MoE router's), which
+the trainer adds to the objective. Models name logical axes only; `constrain(x, names)` is
+handed in by the trainer, with `constrain.size(name)` (ways a logical axis is split) and
+`constrain.shard_map(fn, in_names, out_names)` (fn(shard, *local arrays) per device)."""
 
 from __future__ import annotations
 
@@ -14,13 +18,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
+MODELS = {"gpt": "models.gpt:Gpt", "llama": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
+
+# Logical names of every dimension of the activations models constrain (the rules map each to mesh axes).
+BTD = ("batch", "seq", "activation_embed")
+BTF = ("batch", "seq", "mlp")
+BTV = ("batch", "seq", "vocab")
+
+
+class UnknownModel(ValueError):
+    """`get` was asked for a name not in MODELS (the trainer turns it into its config error)."""
 
 
 def get(name: str):
-    from shardtrain.config import ConfigError
     if name not in MODELS:
-        raise ConfigError(f"model.name: unknown model '{name}'; known: {', '.join(MODELS)}")
+        raise UnknownModel(f"model.name: unknown model '{name}'; known: {', '.join(MODELS)}")
     module, cls = MODELS[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -39,42 +51,58 @@ def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
     return make(rngs)
 
 
-def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None):
-    """Runs stacked blocks in order with lax.scan; `wrap` decorates the per-layer body (remat).
+def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None, unroll: int = 1):
+    """Runs stacked blocks in order with a rolled lax.scan (`unroll` layers per iteration), so the
+    program does not grow with depth; `wrap` decorates the per-layer body (remat).
 
     A block returns `x` or `(x, aux)`, `aux` a dict of scalar auxiliary losses (an MoE router's);
-    then this returns `(x, aux)` with each loss summed over the layers, for the trainer to add.
-    `segment_ids` / `positions` (B, T) describe packed documents; None: one document per row."""
+    then this returns `(x, aux)` with each loss summed over the layers, for the trainer to add."""
     graphdef, state = nnx.split(blocks)
 
     @wrap
     def body(x, layer_state):
-        out = nnx.merge(graphdef, layer_state)(x, segment_ids_bt=segment_ids, positions_bt=positions)
+        out = nnx.merge(graphdef, layer_state)(x, segment_ids, positions)
         return out if isinstance(out, tuple) else (out, {})
-    x, aux = jax.lax.scan(body, x, state, unroll=True)
+    x, aux = jax.lax.scan(body, x, state, unroll=unroll)
     return (x, jax.tree.map(lambda a: a.sum(0), aux)) if aux else x
 
 
+# The two helpers below are the models' own arithmetic written in a form that suits the compilers,
+# not parallelism: they take no mesh and no sharding, so they stay here (models import nothing from
+# shardtrain). Both compute exactly what the plain form would (an einsum, a gather).
+
+
 def dense(x, w, n_in=1, flat=True):
-    """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul
-    (XLA's CPU backend runs (N, K) @ (K, M) much faster than a batched einsum, backward too).
-    `flat=False` keeps x's leading dims (a tensordot): when both batch and sequence are split
-    over devices (context parallelism) XLA cannot merge them without gathering the sequence."""
+    """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul: the same
+    numbers as `einsum("...k,k...")`, and XLA's CPU backend runs (N, K) @ (K, M) much faster than a
+    batched einsum, backward too (the simulated-device tests and demo run on CPU). `flat=False`
+    keeps x's leading dims (a tensordot): when both batch and sequence are split over devices
+    (context parallelism) XLA cannot merge them without gathering the sequence."""
     if not flat:
         return jnp.tensordot(x, w, axes=n_in)
     lead, k = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in])
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
 
 
-def embed_lookup(table_vd, tokens_bt, flat=True):
-    """Token embeddings as a one-hot matmul: it shards cleanly over vocab and embed, where a
-    gather from a vocab-sharded table makes XLA replicate the table."""
-    return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd, flat=flat)
+def embed_lookup(table_vd, tokens_bt, how: str = "gather", flat: bool = True):
+    """Token embeddings: `gather` takes rows of the table (no B x T x V intermediate, no 2 V D
+    FLOPs per token); `one_hot` is a one-hot matmul, which shards cleanly over a vocab-sharded
+    table (a gather from one makes XLA replicate the table) and is fast for tiny vocabularies."""
+    if how == "one_hot":
+        return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd, flat=flat)
+    return jnp.take(table_vd, tokens_bt, axis=0)
+
+
+def matmul_params(cfg, n_params: int) -> int:
+    """The parameters a token's forward pass multiplies with: all of them but a separate embedding
+    table read by gather (a lookup, no FLOPs; a tied table is the unembedding's matmul)."""
+    looked_up = cfg.embed == "gather" and not getattr(cfg, "tie_embeddings", False)
+    return n_params - (cfg.vocab_size * cfg.d_model if looked_up else 0)
 
 
 class Whole:
     """The per-shard view of unsharded arrays: every logical axis whole, collectives are identities
-    (the trainer's `Constrain.per_shard` hands in the real one, `shardtrain.sharding.Shard`)."""
+    (the trainer's `Constrain.shard_map` hands in the real one, `shardtrain.sharding.Shard`)."""
 
     def size(self, name):
         return 1
@@ -94,12 +122,12 @@ class Whole:
     def ring_shift(self, x, name):
         return x
 
-    def like(self, x, *refs):
-        return x
-
 
 class NoConstraint:
-    """The `constrain` a model gets when nobody shards it: no constraints, one shard."""
+    """The `constrain` a model gets when nobody shards it: no constraints, one shard, the default
+    backend (the trainer's is `shardtrain.sharding.Constrain`, with the same four members)."""
+
+    platform = None
 
     def __call__(self, x, names):
         return x
@@ -107,9 +135,8 @@ class NoConstraint:
     def size(self, name):
         return 1
 
-    def per_shard(self, fn, in_names, out_names):
+    def shard_map(self, fn, in_names, out_names):
         return functools.partial(fn, Whole())
 
 
 no_constraint = NoConstraint()
-

@@ -1,23 +1,46 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query causal attention, SwiGLU MLP.
 
-Shapes: B batch, T sequence, D d_model, H heads, K kv heads, E head dim, F d_ff, V vocab, L layers.
-Parameters and activations carry logical axis names only; the trainer maps them to the mesh.
+One decoder, several families as configs: Llama 2/3 (rope_scaling, tie_embeddings), Mistral
+(the Llama layout), Qwen2/2.5 (qkv_bias) and Qwen3 (qk_norm, its own head_dim); with
+`n_experts > 1` every block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen-MoE). The rotary
+layout is Hugging Face's: the head dimension is split into halves [x1, x2], rotated as
+[x1 cos - x2 sin, x2 cos + x1 sin] with frequencies theta^(-2i/E), so HF weights load unpermuted.
+
+Shapes: B batch, T sequence, S cache slots, D d_model, H heads, K kv heads, E head dim, F d_ff,
+V vocab, L layers. Parameters and activations carry logical axis names only; the trainer maps
+them to the mesh.
 """
 
 from __future__ import annotations
 
-import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from models import dense as dense_2d, embed_lookup, no_constraint, param, scan_blocks, stacked
-from models.moe import Moe
-from models.ring_attention import ring_attend
+from models import (
+    BTD,
+    BTF,
+    BTV,
+    attention,
+    dense,
+    embed_lookup,
+    matmul_params,
+    moe,
+    no_constraint,
+    param,
+    scan_blocks,
+    stacked,
+)
 
 normal = nnx.initializers.normal
 ones = nnx.initializers.ones
+zeros = nnx.initializers.zeros
+BTHE = ("batch", "seq", "heads", "activation_head_dim")
+BTKE = ("batch", "seq", "kv_heads", "activation_head_dim")
 
 
 def rms_norm(x, scale, eps=1e-6):
@@ -25,84 +48,193 @@ def rms_norm(x, scale, eps=1e-6):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * scale
 
 
-def rotary(x_bthe, theta: float, positions_bt=None):
-    """Rotary position embedding over the last (head) dimension at `positions_bt` (default 0..T-1)."""
+def inv_frequencies(e: int, theta: float, scaling=None) -> np.ndarray:
+    """The E/2 rotary frequencies (float32, as transformers computes them), with `scaling`
+    (a config with type linear / llama3, factor, ...) applied."""
+    freq_f = (1.0 / (theta ** (np.arange(0, e, 2, dtype=np.float32) / np.float32(e)))).astype(np.float32)
+    if scaling is None:
+        return freq_f
+    if scaling.type == "linear":
+        return (freq_f / np.float32(scaling.factor)).astype(np.float32)
+    old, lo, hi = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen_f = (2 * math.pi / freq_f).astype(np.float32)
+    scaled_f = np.where(wavelen_f > old / lo, freq_f / np.float32(scaling.factor), freq_f).astype(np.float32)
+    smooth_f = ((old / wavelen_f - lo) / (hi - lo)).astype(np.float32)
+    smoothed_f = (1 - smooth_f) * scaled_f / np.float32(scaling.factor) + smooth_f * scaled_f
+    medium = ~(wavelen_f < old / hi) & ~(wavelen_f > old / lo)
+    return np.where(medium, smoothed_f, scaled_f).astype(np.float32)
+
+
+def rotary(x_bthe, theta: float, positions_bt=None, scaling=None):
+    """Rotary position embedding over the last (head) dimension; positions default to 0..T-1."""
     t, e = x_bthe.shape[1], x_bthe.shape[-1]
-    freq_f = theta ** (-jnp.arange(0, e, 2, dtype=jnp.float32) / e)
-    pos_bt = jnp.arange(t)[None, :] if positions_bt is None else positions_bt
-    angle_btf = pos_bt.astype(jnp.float32)[..., None] * freq_f
+    if positions_bt is None:
+        positions_bt = jnp.arange(t, dtype=jnp.int32)[None, :]
+    angle_btf = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_frequencies(e, theta, scaling))
     sin, cos = jnp.sin(angle_btf)[:, :, None, :], jnp.cos(angle_btf)[:, :, None, :]
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
 
 
-def attention(q_bthe, k_btke, v_btke, segment_ids_bt, positions_bt, constrain):
-    """Causal attention, within a document when segment ids are given; ring attention when the
-    trainer splits `seq` over devices (its masks come from the positions: the trainer feeds the
-    sequence in a load-balanced order, models/ring_attention.py)."""
-    if constrain.size("seq") > 1:
-        return ring_attend(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, constrain=constrain)
-    # causal, and with segment ids only within a document: (B, 1, T, T) broadcast over heads
-    seg_bt = segment_ids_bt
-    same_b1tt = None if seg_bt is None else seg_bt[:, None, :, None] == seg_bt[:, None, None, :]
-    return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=same_b1tt, is_causal=True)
+def cached_attention(q_bthe, k_bske, v_bske, mask_bts):
+    """Grouped-query attention of T new queries over S cached keys where mask_bts is True
+    (query head h reads kv head h // (H/K), as `jax.nn.dot_product_attention` and HF do)."""
+    b, t, h, e = q_bthe.shape
+    k = k_bske.shape[2]
+    q_btkge = q_bthe.reshape(b, t, k, h // k, e).astype(jnp.float32)
+    s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_bske.astype(jnp.float32)) * e ** -0.5
+    s_bkgts = jnp.where(mask_bts[:, None, None], s_bkgts, -1e30)
+    p_bkgts = jax.nn.softmax(s_bkgts, axis=-1)
+    o_btkge = jnp.einsum("bkgts,bske->btkge", p_bkgts, v_bske.astype(jnp.float32))
+    return o_btkge.reshape(b, t, h, e).astype(q_bthe.dtype)
+
+
+LOGICAL = {"wq_dhe": ("embed", "heads", None), "wk_dke": ("embed", "kv_heads", None),
+           "wv_dke": ("embed", "kv_heads", None), "wo_hed": ("heads", None, "embed"),
+           "w_gate_df": ("embed", "mlp"), "w_up_df": ("embed", "mlp"), "w_down_fd": ("mlp", "embed")}
 
 
 class Block(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
-        d, h, k, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_model // cfg.n_heads, cfg.d_ff
-        self.theta, self.constrain = cfg.rope_theta, constrain
+        d, h, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+        e = cfg.head_dim or d // h
+        self.theta, self.constrain, self.attention = cfg.rope_theta, constrain, cfg.attention
+        self.rope_scaling, self.eps = cfg.rope_scaling, cfg.rms_norm_eps
         self.attn_norm = param(rngs, ones, (d,), (None,))
-        self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), ("embed", "heads", None))
-        self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), ("embed", "kv_heads", None))
-        self.wv_dke = param(rngs, normal(d ** -0.5), (d, k, e), ("embed", "kv_heads", None))
-        self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), ("heads", None, "embed"))
+        self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
+        self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wk_dke"])
+        self.wv_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wv_dke"])
+        if cfg.qkv_bias:
+            self.bq_he = param(rngs, zeros, (h, e), ("heads", None))
+            self.bk_ke = param(rngs, zeros, (k, e), ("kv_heads", None))
+            self.bv_ke = param(rngs, zeros, (k, e), ("kv_heads", None))
+        if cfg.qk_norm:
+            self.q_norm = param(rngs, ones, (e,), (None,))
+            self.k_norm = param(rngs, ones, (e,), (None,))
+        self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), LOGICAL["wo_hed"])
         self.mlp_norm = param(rngs, ones, (d,), (None,))
         if cfg.n_experts > 1:
-            self.moe = Moe(cfg, rngs=rngs, constrain=constrain)
-            return
-        self.w_gate_df = param(rngs, normal(d ** -0.5), (d, f), ("embed", "mlp"))
-        self.w_up_df = param(rngs, normal(d ** -0.5), (d, f), ("embed", "mlp"))
-        self.w_down_fd = param(rngs, normal(f ** -0.5 / 2), (f, d), ("mlp", "embed"))
+            self.moe = moe.Moe(cfg, rngs=rngs, constrain=constrain)
+        else:
+            self._dense_mlp(cfg, rngs)
+        self.lora_scale = cfg.lora.alpha / max(cfg.lora.rank, 1)
+        for name in cfg.lora.target_params():  # low-rank adapters: A (W's input dims, r), B (r, W's output dims)
+            w, n_in, r = getattr(self, name), 2 if name == "wo_hed" else 1, cfg.lora.rank
+            names = LOGICAL[name]
+            setattr(self, name + "_lora_a", param(rngs, normal(math.prod(w.shape[:n_in]) ** -0.5),
+                                                  (*w.shape[:n_in], r), (*names[:n_in], None)))
+            setattr(self, name + "_lora_b", param(rngs, zeros, (r, *w.shape[n_in:]), (None, *names[n_in:])))
 
-    def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
-        """x_btd -> x_btd, or (x_btd, aux losses) for an MoE block."""
+    def _dense_mlp(self, cfg, rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.w_gate_df = param(rngs, normal(d ** -0.5), (d, f), LOGICAL["w_gate_df"])
+        self.w_up_df = param(rngs, normal(d ** -0.5), (d, f), LOGICAL["w_up_df"])
+        self.w_down_fd = param(rngs, normal(f ** -0.5 / 2), (f, d), LOGICAL["w_down_fd"])
+
+    def weight(self, name):
+        """A block weight; with a LoRA adapter W + (alpha/r) A @ B, the frozen W out of the gradient."""
+        w = getattr(self, name)[...]
+        if not hasattr(self, name + "_lora_a"):
+            return w
+        a, b = getattr(self, name + "_lora_a")[...], getattr(self, name + "_lora_b")[...]
+        return jax.lax.stop_gradient(w) + (self.lora_scale * dense(a, b)).astype(w.dtype)
+
+    def mm(self, x, name, n_in=1):
+        """x times block weight `name` (flat 2D matmul unless the sequence is split over devices)."""
+        return dense(x, self.weight(name), n_in, flat=self.constrain.size("seq") == 1)
+
+    def qkv(self, x_btd, positions_bt=None):
+        """Queries, keys (both rotated) and values of the normed input."""
         c = self.constrain
-        dense = functools.partial(dense_2d, flat=c.size("seq") == 1)
-        h_btd = rms_norm(x_btd, self.attn_norm[...])
-        q_bthe = c(rotary(dense(h_btd, self.wq_dhe[...]), self.theta, positions_bt), ("batch", "seq", "heads", None))
-        k_btke = c(rotary(dense(h_btd, self.wk_dke[...]), self.theta, positions_bt), ("batch", "seq", "kv_heads", None))
-        v_btke = c(dense(h_btd, self.wv_dke[...]), ("batch", "seq", "kv_heads", None))
-        o_bthe = attention(q_bthe, k_btke, v_btke, segment_ids_bt, positions_bt, c)
-        x_btd = c(x_btd + dense(o_bthe, self.wo_hed[...], n_in=2), ("batch", "seq", None))
-        h_btd = rms_norm(x_btd, self.mlp_norm[...])
+        h_btd = rms_norm(x_btd, self.attn_norm[...], self.eps)
+        q_bthe, k_btke, v_btke = (self.mm(h_btd, w) for w in ("wq_dhe", "wk_dke", "wv_dke"))
+        if hasattr(self, "bq_he"):
+            q_bthe, k_btke, v_btke = q_bthe + self.bq_he[...], k_btke + self.bk_ke[...], v_btke + self.bv_ke[...]
+        if hasattr(self, "q_norm"):
+            q_bthe, k_btke = rms_norm(q_bthe, self.q_norm[...], self.eps), rms_norm(k_btke, self.k_norm[...], self.eps)
+        q_bthe = c(rotary(q_bthe, self.theta, positions_bt, self.rope_scaling), BTHE)
+        k_btke = c(rotary(k_btke, self.theta, positions_bt, self.rope_scaling), BTKE)
+        return q_bthe, k_btke, c(v_btke, BTKE)
+
+    def finish(self, x_btd, o_bthe):
+        """Output projection, residual, then the SwiGLU MLP (or mixture of experts) and its residual;
+        an MoE block returns (x_btd, aux losses)."""
+        c = self.constrain
+        x_btd = c(x_btd + self.mm(o_bthe, "wo_hed", n_in=2), BTD)
+        h_btd = rms_norm(x_btd, self.mlp_norm[...], self.eps)
         if hasattr(self, "moe"):
             out_btd, aux = self.moe(h_btd)
-            return c(x_btd + out_btd, ("batch", "seq", None)), aux
-        gate_btf = c(dense(h_btd, self.w_gate_df[...]), ("batch", "seq", "mlp"))
-        up_btf = c(dense(h_btd, self.w_up_df[...]), ("batch", "seq", "mlp"))
-        out_btd = dense(jax.nn.silu(gate_btf) * up_btf, self.w_down_fd[...])
-        return c(x_btd + out_btd, ("batch", "seq", None))
+            return c(x_btd + out_btd, BTD), aux
+        gate_btf = c(self.mm(h_btd, "w_gate_df"), BTF)
+        up_btf = c(self.mm(h_btd, "w_up_df"), BTF)
+        out_btd = self.mm(jax.nn.silu(gate_btf) * up_btf, "w_down_fd")
+        return c(x_btd + out_btd, BTD)
+
+    def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
+        x_btd = checkpoint_name(x_btd, "layer_input")  # names for train.remat=offload
+        q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
+        o_bthe = attention.attend(q_bthe, k_btke, v_btke, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
+                                  impl=self.attention, constrain=self.constrain)
+        o_bthe = checkpoint_name(self.constrain(o_bthe, BTHE), "attention_out")
+        return self.finish(x_btd, o_bthe)
+
+    def decode(self, x_btd, k_bske, v_bske, slot, positions_bt, first_b):
+        """The block for T new tokens written at cache slots slot..slot+T-1 (positions_bt their
+        rotary positions); each attends to the cached slots first_b..its own (slots before
+        first_b are a row's left padding). Returns (x_btd, k_bske, v_bske) with the cache updated."""
+        q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
+        k_bske = jax.lax.dynamic_update_slice_in_dim(k_bske, k_btke.astype(k_bske.dtype), slot, axis=1)
+        v_bske = jax.lax.dynamic_update_slice_in_dim(v_bske, v_btke.astype(v_bske.dtype), slot, axis=1)
+        t, s = x_btd.shape[1], k_bske.shape[1]
+        key_s, query_t = jnp.arange(s), slot + jnp.arange(t)
+        mask_bts = (key_s[None, None, :] <= query_t[None, :, None]) & (key_s[None, None, :] >= first_b[:, None, None])
+        x_btd = self.finish(x_btd, cached_attention(q_bthe, k_bske, v_bske, mask_bts))
+        return (x_btd[0] if isinstance(x_btd, tuple) else x_btd), k_bske, v_bske
 
 
 class Gpt(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
-        self.constrain = constrain
+        self.constrain, self.eps, self.embed_how = constrain, cfg.rms_norm_eps, cfg.embed
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain), cfg.n_layers, rngs)
         self.final_norm = param(rngs, ones, (cfg.d_model,), (None,))
-        self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        if not cfg.tie_embeddings:
+            self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size),
+                                    ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt, flat=self.constrain.size("seq") == 1)
-        return self.constrain(x_btd, ("batch", "seq", None))
+        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how, flat=self.constrain.size("seq") == 1)
+        return self.constrain(x_btd, BTD)
 
     def head(self, x_btd):
-        logits_btv = dense_2d(rms_norm(x_btd, self.final_norm[...]), self.unembed_dv[...],
-                              flat=self.constrain.size("seq") == 1)
-        return self.constrain(logits_btv, ("batch", "seq", "vocab"))
+        unembed_dv = self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
+        logits_btv = dense(rms_norm(x_btd, self.final_norm[...], self.eps), unembed_dv,
+                           flat=self.constrain.size("seq") == 1)
+        return self.constrain(logits_btv, BTV)
 
     def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):
         """Logits, or (logits, aux losses) for an MoE model."""
         out = scan_blocks(self.blocks, self.embed(tokens_bt), segment_ids=segment_ids_bt, positions=positions_bt)
         return (self.head(out[0]), out[1]) if isinstance(out, tuple) else self.head(out)
+
+    def decode(self, tokens_bt, cache, slot, positions_bt, first_b):
+        """Logits of T new tokens given a KV cache {"k", "v": (L, B, S, K, E)} (see Block.decode);
+        returns (logits_btv, updated cache). Prefill is T = prompt length, then T = 1 per step."""
+        graphdef, state = nnx.split(self.blocks)
+
+        def body(x_btd, layer):
+            layer_state, k_bske, v_bske = layer
+            x_btd, k_bske, v_bske = nnx.merge(graphdef, layer_state).decode(
+                x_btd, k_bske, v_bske, slot, positions_bt, first_b)
+            return x_btd, (k_bske, v_bske)
+        x_btd, (k_lbske, v_lbske) = jax.lax.scan(body, self.embed(tokens_bt), (state, cache["k"], cache["v"]))
+        return self.head(x_btd), {"k": k_lbske, "v": v_lbske}
+
+    @staticmethod
+    def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls (forward + backward; N without a gathered
+        embedding table) plus attention's scores and values, 12 L T H E. For a mixture of experts
+        N counts the active parameters: each token's experts_per_token experts, not all of them."""
+        head_dims = cfg.n_heads * (cfg.head_dim or cfg.d_model // cfg.n_heads)
+        inactive = cfg.n_layers * moe.inactive_params(cfg) if cfg.n_experts > 1 else 0
+        return 6 * (matmul_params(cfg, n_params) - inactive) + 12 * cfg.n_layers * seq_len * head_dims

@@ -6,10 +6,9 @@ Shapes: B batch, T sequence, D d_model, F d_ff, V vocab, L layers.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from models import dense, embed_lookup, no_constraint, param, scan_blocks, stacked
+from models import BTD, BTF, BTV, dense, embed_lookup, matmul_params, no_constraint, param, scan_blocks, stacked
 
 normal = nnx.initializers.normal
 
@@ -21,22 +20,28 @@ class Block(nnx.Module):
         self.w_out_fd = param(rngs, normal(cfg.d_ff ** -0.5 / 2), (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
 
     def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):  # tokens do not mix: ignored
-        h_btf = self.constrain(jax.nn.gelu(dense(x_btd, self.w_in_df[...])), ("batch", "seq", "mlp"))
-        return self.constrain(x_btd + dense(h_btf, self.w_out_fd[...]), ("batch", "seq", None))
+        h_btf = self.constrain(jax.nn.gelu(dense(x_btd, self.w_in_df[...])), BTF)
+        return self.constrain(x_btd + dense(h_btf, self.w_out_fd[...]), BTD)
 
 
 class Mlp(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
-        self.constrain = constrain
+        self.constrain, self.embed_how = constrain, cfg.embed
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain), cfg.n_layers, rngs)
         self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        return self.constrain(embed_lookup(self.embedding_vd[...], tokens_bt), ("batch", "seq", None))
+        return self.constrain(embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how), BTD)
 
     def head(self, x_btd):
-        return self.constrain(dense(x_btd, self.unembed_dv[...]), ("batch", "seq", "vocab"))
+        return self.constrain(dense(x_btd, self.unembed_dv[...]), BTV)
 
-    def __call__(self, tokens_bt):
+    def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):
         return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))
+
+    @staticmethod
+    def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls, forward + backward (N without a gathered
+        embedding table; no attention)."""
+        return 6 * matmul_params(cfg, n_params)

@@ -14,7 +14,7 @@ losses, returned to the trainer as `aux` (already multiplied by their coefficien
 Both are computed over the whole global batch (outside the per-shard code), so every mesh gives
 the same loss.
 
-Dispatch, on each device's own tokens (`constrain.per_shard`, manual over every mesh axis):
+Dispatch, on each device's own tokens (`constrain.shard_map`, manual over every mesh axis):
 sort the A assignments by expert, so those bound for each expert shard are contiguous; scatter
 them into a (P, S, D) send buffer, one block of S rows per destination shard; all-to-all over
 `experts`; on arrival sort the P S rows by local expert and run the SwiGLU as three grouped
@@ -62,7 +62,7 @@ def route(logits_bte, k: int, constrain):
     shard: XLA's partitioner would gather the probabilities of the whole batch for it."""
     probs = jax.nn.softmax(logits_bte.astype(jnp.float32), axis=-1)
     bte = ("batch", "seq", None)
-    top_p, top_i = constrain.per_shard(lambda shard, p: tuple(jax.lax.top_k(p, k)), (bte,), (bte, bte))(probs)
+    top_p, top_i = constrain.shard_map(lambda shard, p: tuple(jax.lax.top_k(p, k)), (bte,), (bte, bte))(probs)
     return top_i, top_p / top_p.sum(-1, keepdims=True), probs
 
 
@@ -73,6 +73,11 @@ def aux_losses(logits_bte, probs_bte, top_i_btk, cfg) -> dict:
     z = jax.nn.logsumexp(logits_bte.astype(jnp.float32), axis=-1)
     return {"moe_aux_loss": cfg.router_aux_loss_coef * e * jnp.sum(f_e * p_e),
             "router_z_loss": cfg.router_z_loss_coef * jnp.mean(z * z)}
+
+
+def inactive_params(cfg) -> int:
+    """Expert parameters of one layer a token does not multiply with (for its FLOPs)."""
+    return (cfg.n_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.d_ff
 
 
 def capacity(cfg, assignments: int) -> int | None:
@@ -152,9 +157,10 @@ class Moe(nnx.Module):
         top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.experts_per_token, c)
         aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
-        local = c.per_shard(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg),
+        local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg),
                             (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))
         out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
         if cfg.n_shared_experts:
-            out_btd = out_btd + swiglu(h_btd, self.shared_gate_df[...], self.shared_up_df[...], self.shared_down_fd[...], flat)
+            shared = (self.shared_gate_df[...], self.shared_up_df[...], self.shared_down_fd[...])
+            out_btd = out_btd + swiglu(h_btd, *shared, flat)
         return c(out_btd, ("batch", "seq", None)), aux

@@ -100,9 +100,9 @@ def state_handler(replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
     replica-parallel saving of jax.Arrays switched on or off.
 
     Replica-parallel saving cuts every replicated shard into per-replica slices on the devices,
-    one eager op per shard, inside `save()`, so while the training loop waits (0.47 of the 0.76 s
-    that save() blocked for a 406 MB state on 8 devices, see bench/README.md). It pays off only
-    when the replicas live on several processes, which then share the writing."""
+    one eager op per shard, inside `save()`, so while the training loop waits (most of the time
+    `save()` blocks: bench/README.md, Checkpoints). It pays off only when the replicas live on
+    several processes, which then share the writing."""
     default = ocp.type_handlers.get_type_handler(jax.Array)
     arrays = ocp.type_handlers.ArrayHandler(
         use_replica_parallel=replica_parallel,
@@ -117,8 +117,9 @@ class _DrainingEventLoop(asyncio.SelectorEventLoop):
     """An event loop that finishes its pending tasks before it closes."""
 
     def close(self) -> None:
-        pending = [t for t in asyncio.all_tasks(self) if not t.done()]
-        if pending and not self.is_running() and not self.is_closed():
+        # until none is left: a task that fails can leave the tasks it started behind, still running
+        while not self.is_running() and not self.is_closed() and (
+                pending := [t for t in asyncio.all_tasks(self) if not t.done()]):
             self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         super().close()
 
@@ -143,17 +144,17 @@ WRITER_THREAD = "ts_pool_worker"  # the name tensorstore gives its worker thread
 
 
 def lower_writer_priority(niceness: int) -> None:
-    """Sets tensorstore's worker threads to `niceness`. At equal priority an async save of a
-    406 MB state slowed the steps running beside it by 20-26% on 8 simulated CPU devices (2 cores);
-    at niceness 19 by 6-7%, the save taking 6-8 steps instead of 2 (bench/README.md). Per-thread
-    niceness is Linux's; elsewhere this does nothing."""
+    """Sets tensorstore's worker threads to `niceness`, so that an async save uses the CPU time the
+    steps running beside it leave idle (at equal priority it slows them; measured in
+    bench/README.md, Checkpoints). Per-thread niceness is Linux's; elsewhere this does nothing."""
     tasks = Path("/proc/self/task")
     if niceness <= 0 or not tasks.is_dir():
         return
     for task in tasks.iterdir():
         try:
-            if (task / "comm").read_text().strip() == WRITER_THREAD and os.getpriority(os.PRIO_PROCESS, int(task.name)) < niceness:
-                os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+            tid = int(task.name)
+            if (task / "comm").read_text().strip() == WRITER_THREAD and os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
         except OSError:  # the thread has ended
             pass
 

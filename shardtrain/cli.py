@@ -1,14 +1,13 @@
-"""`shardtrain train | plan | prepare | eval | ckpt`. Mistakes in user input exit 2 with one message, no traceback."""
+"""`shardtrain train | plan | prepare | eval | ckpt | import-hf | export-hf | generate`. Mistakes in user
+input exit 2 with one message, no traceback."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 from shardtrain import config as config_lib, distributed
-
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -37,9 +36,8 @@ def skip_absent_tpu() -> None:
 
 
 def mesh_devices(cfg: config_lib.RunConfig) -> int:
-    """The device count a mesh asks for (the default when one axis is -1)."""
-    sizes = cfg.mesh.sizes().values()
-    return math.prod(sizes) if all(s > 0 for s in sizes) else DEFAULT_CPU_DEVICES
+    """The device count a mesh asks for (the CLI's default when one axis is -1)."""
+    return cfg.mesh.device_count(DEFAULT_CPU_DEVICES)
 
 
 def cmd_train(args) -> int:
@@ -60,11 +58,20 @@ def cmd_train(args) -> int:
 
 def cmd_plan(args) -> int:
     if args.devices is not None and args.devices < 1:
-        raise config_lib.ConfigError(f"--devices: must be a positive device count, e.g. --devices 8; got {args.devices}")
+        raise config_lib.ConfigError(
+            f"--devices: must be a positive device count, e.g. --devices 8; got {args.devices}")
     cfg = config_lib.load(args.config, args.overrides)
-    simulated_devices(args.devices or mesh_devices(cfg))
+    if args.write and not args.search:
+        raise config_lib.ConfigError("--write needs --search (it writes the best mesh found)")
+    n_devices = args.devices or mesh_devices(cfg)
+    simulated_devices(n_devices)
     from shardtrain import plan
-    return plan.main(cfg, args)
+    devices, chip = plan.target(cfg, n_devices, args.devices, args.chip, args.topology, args.slices,
+                                args.memory_limit)
+    if args.search:
+        from shardtrain import search
+        return search.main(cfg, devices, chip, as_json=args.json, write=args.write)
+    return plan.main(cfg, devices, chip, as_json=args.json)
 
 
 def cmd_prepare(args) -> int:
@@ -86,6 +93,52 @@ def cmd_eval(args) -> int:
 def cmd_ckpt(args) -> int:
     from shardtrain import checkpoint
     return checkpoint.list_main(args.run_dir)
+
+
+def cmd_import_hf(args) -> int:
+    simulated_devices(DEFAULT_CPU_DEVICES)
+    from shardtrain import weights
+    weights.import_hf(args.hf_dir, args.out_dir, args.overrides)
+    return 0
+
+
+def cmd_export_hf(args) -> int:
+    simulated_devices(DEFAULT_CPU_DEVICES)
+    from shardtrain import weights
+    weights.export_hf(args.source, args.out_dir, args.dtype, args.max_shard_size)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    simulated_devices(DEFAULT_CPU_DEVICES)
+    import json
+
+    from shardtrain import generate
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise config_lib.ConfigError("generate: need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1")
+    gen = generate.Generator.from_source(args.source, args.overrides)
+    prompts = [gen.encode(p) for p in args.prompt]
+    stream = not args.json and len(prompts) == 1
+    shown = {"ids": [], "text": ""}
+
+    def on_tokens(tokens_b):  # prints the new text of a single prompt as it comes
+        if tokens_b[0] >= 0:
+            shown["ids"].append(int(tokens_b[0]))
+            text = gen.decode(shown["ids"]).rstrip("\ufffd")  # a character's bytes may be incomplete yet
+            print(text[len(shown["text"]):], end="", flush=True)
+            shown["text"] = text
+    if stream:
+        print(args.prompt[0], end="", flush=True)
+    outs = gen.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        seed=args.seed, on_tokens=on_tokens if stream else None)
+    for text, ids, new in zip(args.prompt, prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt": text, "prompt_ids": ids, "generated_ids": new, "text": gen.decode(new)}))
+        elif stream:
+            print(gen.decode(new)[len(shown["text"]):])
+        else:
+            print(text + gen.decode(new))
+    return 0
 
 
 def enable_compile_cache(cfg: config_lib.RunConfig) -> None:
@@ -134,6 +187,28 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("ckpt", help="list a run's checkpoints")
     c.add_argument("run_dir")
     c.set_defaults(func=cmd_ckpt)
+    i = sub.add_parser("import-hf", help="a Hugging Face model directory -> a shardtrain checkpoint + config")
+    i.add_argument("hf_dir", help="directory with config.json, *.safetensors and the tokenizer")
+    i.add_argument("out_dir")
+    i.add_argument("overrides", nargs="*", help="config KEY=VALUEs for the written config (mesh.*, train.*)")
+    i.set_defaults(func=cmd_import_hf)
+    e = sub.add_parser("export-hf", help="a run, checkpoint or import-hf directory -> a Hugging Face model directory")
+    e.add_argument("source", help="run directory, checkpoint step directory or import-hf directory")
+    e.add_argument("out_dir")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written weights (default: the imported model's, else float32)")
+    e.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    e.set_defaults(func=cmd_export_hf)
+    g = sub.add_parser("generate", help="generate text from an HF, import-hf, run or checkpoint directory")
+    g.add_argument("source")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="one JSON line per prompt: prompt and generated ids, text")
+    g.add_argument("overrides", nargs="*", help="config KEY=VALUEs before the options (mesh.tensor=..., rules.*)")
+    g.set_defaults(func=cmd_generate)
     return p
 
 

@@ -26,8 +26,7 @@ auto over the others, whose reductions (FSDP, tensor) stay GSPMD's, in float32:
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from shardtrain import sharding
-from shardtrain.config import ConfigError, RulesConfig, RunConfig
+from shardtrain.config import ConfigError, RulesConfig, RunConfig, mesh_axes
 
 F32 = jnp.float32
 
@@ -57,14 +56,10 @@ def enabled(cfg: RunConfig) -> bool:
     return cfg.train.grad_reduce_dtype != "float32" or cfg.train.sync != "every_step"
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def data_parallel_axes(cfg: RunConfig, mesh: Mesh, param_shardings) -> tuple[str, ...]:
     """Mesh axes (size > 1) that shard the batch but no parameter: where gradients are all-reduced."""
-    used = {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in _axes(entry)}
-    return tuple(a for a in _axes(cfg.rules.batch) if mesh.shape[a] > 1 and a not in used)
+    used = {a for s in jax.tree.leaves(param_shardings) for entry in s.spec for a in mesh_axes(entry)}
+    return tuple(a for a in mesh_axes(cfg.rules.batch) if mesh.shape[a] > 1 and a not in used)
 
 
 def replica_axes(cfg: RunConfig, mesh: Mesh, param_shardings) -> tuple[str, ...]:
@@ -96,7 +91,7 @@ def replica_constrain(cfg: RunConfig, mesh: Mesh, axes: tuple[str, ...]) -> shar
     """Activation constraints for one replica under `jax.vmap(..., spmd_axis_name=axes)`: the
     rules without `axes`, which the vmapped (replica) dimension takes."""
     rules = dataclasses.replace(cfg.rules, **{
-        f.name: tuple(a for a in _axes(getattr(cfg.rules, f.name)) if a not in axes) or None
+        f.name: tuple(a for a in mesh_axes(getattr(cfg.rules, f.name)) if a not in axes) or None
         for f in dataclasses.fields(RulesConfig)})
     return sharding.Constrain(rules, mesh)
 
@@ -121,7 +116,7 @@ def chunk_dim(shape, spec: P, mesh: Mesh, n: int, what: str) -> int:
     """The dimension an int8 tensor is split into n chunks along: the first whose size is divisible
     by n x its own shards (so chunks stay aligned with the FSDP/tensor sharding)."""
     for k, size in enumerate(shape):
-        shards = math.prod(mesh.shape[a] for a in _axes(spec[k] if k < len(spec) else None))
+        shards = sharding.axes_size(mesh, spec[k] if k < len(spec) else None)
         if size % (n * shards) == 0:
             return k
     raise ConfigError(f"train.grad_reduce_dtype=int8: parameter {what} {tuple(shape)} has no dimension divisible "
@@ -145,7 +140,7 @@ def int8_mean(grads, worker, server, dims, axes, n: int):
     shard_map; `worker` / `server` are this replica's residuals (server: its own chunk of each
     tensor). Returns (means, worker, server)."""
     leaves, treedef = jax.tree.flatten(grads)
-    w_leaves, s_leaves, k_leaves = treedef.flatten_up_to(worker), treedef.flatten_up_to(server), treedef.flatten_up_to(dims)
+    w_leaves, s_leaves, k_leaves = (treedef.flatten_up_to(t) for t in (worker, server, dims))
     q1, scale1, w_new = zip(*(quantize(g.astype(F32) + r) for g, r in zip(leaves, w_leaves)))
     scales1 = jax.lax.all_gather(jnp.stack(scale1), axes)  # (n, tensors): one small collective for all scales
     owned = []
@@ -174,7 +169,7 @@ def replica_mean(mesh: Mesh, axes: tuple[str, ...], dtype: str, specs, dims=None
     `dtype` by collectives written in a shard_map manual over every mesh axis (each device reduces
     its own shard; `specs` are the arrays' PartitionSpecs without the replica dimension). `comm`
     holds the int8 residuals (else {})."""
-    n = math.prod(mesh.shape[a] for a in axes)
+    n = sharding.axes_size(mesh, axes)
 
     def body(tree_r, comm):
         local = _squeeze(tree_r)
@@ -182,7 +177,8 @@ def replica_mean(mesh: Mesh, axes: tuple[str, ...], dtype: str, specs, dims=None
             c = _squeeze(comm)
             means, worker, server = int8_mean(local, c["worker"], c["server"], dims, axes, n)
             return means, _expand({"worker": worker, "server": server})
-        return jax.tree.map(lambda x: (jax.lax.psum(x.astype(dtype), axes).astype(F32) / n).astype(x.dtype), local), comm
+        mean = lambda x: (jax.lax.psum(x.astype(dtype), axes).astype(F32) / n).astype(x.dtype)  # noqa: E731
+        return jax.tree.map(mean, local), comm
 
     replica_specs = jax.tree.map(lambda s: P(axes, *s), specs, is_leaf=lambda x: isinstance(x, P))
     comm_specs = {"worker": replica_specs, "server": replica_specs} if dtype == "int8" else {}
@@ -197,7 +193,7 @@ def build(cfg: RunConfig, mesh: Mesh, base: Base) -> tuple[dict, Callable, Calla
     replica dimension sharded over the replica axes (`spmd_axis_name`), so GSPMD keeps every
     replica on its own devices; only `replica_mean` communicates over those axes."""
     axes = replica_axes(cfg, mesh, base.state_shardings["params"])
-    n = math.prod(mesh.shape[a] for a in axes)
+    n = sharding.axes_size(mesh, axes)
     constrain = replica_constrain(cfg, mesh, axes)
     batch_spec = P(axes, *sharding.spec_for(("batch", None), constrain.rules, mesh))
     batch_sharding = NamedSharding(mesh, batch_spec)
@@ -212,7 +208,7 @@ def build(cfg: RunConfig, mesh: Mesh, base: Base) -> tuple[dict, Callable, Calla
 
 def reduced_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
     """Synchronous step whose data-parallel gradient reduction moves grad_reduce_dtype values."""
-    n = math.prod(mesh.shape[a] for a in axes)
+    n = sharding.axes_size(mesh, axes)
     dtype = cfg.train.grad_reduce_dtype
     state_shardings = dict(base.state_shardings)
     abstract_params = jax.eval_shape(base.init, jax.random.key(0))["params"]
@@ -252,7 +248,7 @@ def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
 
 def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
     """DiLoCo: independent inner steps per replica, outer Nesterov SGD on the mean delta every H steps."""
-    n = math.prod(mesh.shape[a] for a in axes)
+    n = sharding.axes_size(mesh, axes)
     every = cfg.train.sync_every
     outer_tx = outer_optimizer(cfg)
     param_shardings = base.state_shardings["params"]
@@ -270,8 +266,10 @@ def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
 
     def init(key):
         state = base.init(key)
-        copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), {"params": state["params"], "opt": state["opt"]})
-        return {"params": state["params"], "opt": outer_tx.init(state["params"]), "step": state["step"], "replicas": copies}
+        copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)),
+                              {"params": state["params"], "opt": state["opt"]})
+        return {"params": state["params"], "opt": outer_tx.init(state["params"]), "step": state["step"],
+                "replicas": copies}
 
     def inner(local, step, tokens_bt):  # one replica's AdamW step: no reduction over the replica axes
         loss, grads = loss_and_grads(local["params"], tokens_bt)
@@ -282,7 +280,7 @@ def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
     inner_r = jax.vmap(inner, in_axes=(0, None, 0), spmd_axis_name=axes)
 
     def sync(local_params_r, params, opt):  # outer step: the mean delta moves once over the replica axes
-        delta, _ = mean(jax.tree.map(lambda p, l: p[None] - l, params, local_params_r), {})
+        delta, _ = mean(jax.tree.map(lambda p, local_r: p[None] - local_r, params, local_params_r), {})
         updates, opt = outer_tx.update(delta, opt, params)
         params = optax.apply_updates(params, updates)
         return jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params), params, opt

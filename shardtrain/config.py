@@ -32,6 +32,11 @@ blocks per attention layer) want the fast interconnect (ICI) but less of it than
 AxisRule = Optional[str | tuple[str, ...]]
 
 
+def mesh_axes(rule: AxisRule) -> tuple[str, ...]:
+    """A rule (or a PartitionSpec entry) as a tuple of mesh axes: null -> (), "fsdp" -> ("fsdp",)."""
+    return (rule,) if isinstance(rule, str) else tuple(rule or ())
+
+
 @dataclass(frozen=True)
 class DcnConfig:
     """Sizes of each mesh axis across slices / hosts (the slow network); the ICI sizes in `mesh`
@@ -70,11 +75,18 @@ class MeshConfig:
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) * getattr(self.dcn, a) for a in MESH_AXES}
 
+    def device_count(self, default: int) -> int:
+        """The device count this mesh asks for, or `default` when one axis is -1 (any count)."""
+        sizes = self.sizes().values()
+        return math.prod(sizes) if all(s > 0 for s in sizes) else default
+
 
 @dataclass(frozen=True)
 class RulesConfig:
     """Logical axis -> mesh axis (a name, a list of names, or null for replicated). One row per
-    logical name; models use only these names."""
+    logical name; models use only these names, for parameters and activations alike (the
+    `activation_*` rows name activation dimensions that no parameter has, so sharding them is a
+    rules change, not a model edit)."""
 
     batch: AxisRule = ("data", "fsdp", "expert")
     """Examples of a batch. Over `expert` too: outside the MoE layers the expert devices are
@@ -86,14 +98,56 @@ class RulesConfig:
     vocab: AxisRule = "tensor"
     layers: AxisRule = "pipeline"
     seq: AxisRule = "context"
-    """Sequence dimension of activations: split over `context` runs ring attention."""
+    """Sequence dimension of activations: split over `context`, attention runs as ring attention."""
     experts: AxisRule = "expert"
     """The expert dimension of MoE expert weights."""
+    activation_embed: AxisRule = None
+    """The model dimension of activations (the residual stream x_btd); null: whole on every device."""
+    activation_head_dim: AxisRule = None
+    """The per-head dimension of attention activations (q, k, v)."""
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """Rotary frequency scaling for contexts longer than pre-training (Hugging Face `rope_scaling`)."""
+
+    type: Literal["linear", "llama3"] = "llama3"
+    """`linear`: every frequency divided by `factor`; `llama3`: Llama 3.1's low/high-frequency blend."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the pre-training context length."""
+
+
+LORA_TARGETS = {"wq_dhe": "q_proj", "wk_dke": "k_proj", "wv_dke": "v_proj", "wo_hed": "o_proj",
+                "w_gate_df": "gate_proj", "w_up_df": "up_proj", "w_down_fd": "down_proj"}
+"""Block weights LoRA can adapt: our parameter name -> the Hugging Face module name (either works)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters: each target weight W is used as W + (alpha / rank) * A @ B with A
+    (W's input dims, rank) and B (rank, W's output dims), sharded like W's dims; B starts at zero.
+    With rank > 0 only the adapters train (the rest is frozen) and export-hf merges them into W."""
+
+    rank: int = 0
+    """Adapter rank; 0: no adapters."""
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("wq_dhe", "wk_dke", "wv_dke", "wo_hed")
+    """Adapted block weights by parameter name (wq_dhe, w_up_df, ...) or HF module name (q_proj, up_proj, ...)."""
+
+    def target_params(self) -> tuple[str, ...]:
+        by_hf = {v: k for k, v in LORA_TARGETS.items()}
+        return tuple(by_hf.get(t, t) for t in self.targets) if self.rank > 0 else ()
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Model architecture. `name` picks the class from the registry in `models/`."""
+    """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
+    Mistral, Qwen2/2.5 and Qwen3 are configs of the one decoder `gpt` (alias `llama`)."""
 
     name: str = "gpt"
     vocab_size: int = 256
@@ -105,17 +159,47 @@ class ModelConfig:
     d_ff: int = 512
     """Hidden size of the (SwiGLU) MLP."""
     rope_theta: float = 10000.0
+    attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"
+    """Attention implementation (models/attention.py): `xla` materialises the T x T scores;
+    `chunked` is flash-style plain XLA (long sequences anywhere); `splash` the Pallas TPU kernel;
+    `cudnn` cuDNN flash attention on NVIDIA GPUs; `auto`: splash on TPU, cudnn on GPU, xla on CPU."""
+    embed: Literal["gather", "one_hot"] = "gather"
+    """Token embedding: `gather` rows of the table (no B x T x V intermediate); `one_hot` a one-hot
+    matmul (shards cleanly over a vocab-sharded table; 2 V D FLOPs per token)."""
+    rope_scaling: Optional[RopeScalingConfig] = None
+    """Rotary frequency scaling (Llama 3.1+ `llama3`, or `linear`); null: none."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (Llama 1e-5, Qwen 1e-6)."""
+    tie_embeddings: bool = False
+    """The output projection is the transposed token embedding (Llama 3.2 1B/3B, small Qwens)."""
+    head_dim: Optional[int] = None
+    """Attention head size; default d_model / n_heads (Qwen3 sets its own)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2 / Qwen2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before rotary (Qwen3)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
     n_experts: int = 0
-    """Mixture of experts: experts per MoE layer (every layer's MLP); 0 or 1: a dense MLP."""
+    """Mixture of experts: experts per MoE layer (every layer's MLP; d_ff is each expert's hidden
+    size); 0 or 1: a dense MLP."""
     experts_per_token: int = 2
-    """MoE: experts each token is routed to (top-k); their softmax weights are renormalised to sum to 1."""
+    """MoE: experts each token is routed to (top-k, by softmax router probability)."""
     n_shared_experts: int = 0
     """MoE: experts every token also passes through (DeepSeek / Qwen-MoE style), unweighted."""
+    shared_expert_d_ff: Optional[int] = None
+    """MoE: hidden size of the shared experts' one SwiGLU MLP; default n_shared_experts x d_ff."""
+    shared_expert_gate: bool = False
+    """MoE: the shared experts' output is scaled by sigmoid(h . w), w a learned vector (Qwen2-MoE)."""
+    norm_topk_prob: bool = True
+    """MoE: the top-k router probabilities are renormalised to sum to 1 (Mixtral, Qwen3-MoE);
+    false weights each expert by its softmax probability over all experts (Qwen2-MoE's default)."""
     capacity_factor: Optional[float] = None
     """MoE: null routes every token (dropless); a number caps each expert at capacity_factor x
     (tokens x experts_per_token / n_experts) assignments per expert shard's batch, dropping the rest."""
     router_aux_loss_coef: float = 0.01
-    """MoE: weight of the load-balancing loss n_experts x sum_e (fraction of assignments to e) x (mean router probability of e)."""
+    """MoE: weight of the load-balancing loss n_experts x sum_e (fraction of assignments to e) x
+    (mean router probability of e)."""
     router_z_loss_coef: float = 0.001
     """MoE: weight of the router z-loss, the mean of logsumexp(router logits)^2 (ST-MoE)."""
 
@@ -169,8 +253,17 @@ class TrainConfig:
     global_batch_size: int = 32
     grad_accum_steps: int = 1
     """Micro-batches per step, accumulated inside the compiled step (same update as the full batch)."""
-    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
-    """Activation recomputation policy for each layer (jax.checkpoint_policies)."""
+    remat: Literal["none", "full", "dots", "dots_no_batch", "offload"] = "none"
+    """Activation recomputation policy for each layer (jax.checkpoint_policies). `offload` keeps
+    each layer's input and attention output in host memory (pinned_host) and recomputes the rest:
+    TPU / GPU only."""
+    scan_unroll: int = 1
+    """Layers per iteration of the `lax.scan` over layers: 1 keeps the compiled program and compile
+    time flat in depth; n_layers unrolls it fully (sometimes faster for small models on CPU)."""
+    loss_chunk: int = 512
+    """Sequence positions per cross-entropy chunk: the logits (B x chunk x vocab) are computed,
+    reduced and recomputed in the backward pass one chunk at a time, never for the whole sequence;
+    0 or >= seq_len: one chunk."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of stored (master) weights and optimizer state."""
@@ -204,7 +297,7 @@ class TrainConfig:
     plain averaging of the replicas)."""
     outer_momentum: float = 0.0
     """local_sgd: outer Nesterov momentum. DiLoCo's 0.7 / 0.9 suit H in the hundreds; at H=4 on the
-    demo they overshoot (60 steps: 8.6% above fp32 loss, 0.5 momentum 4.5%, 0.0 momentum 1.3%)."""
+    demo they overshoot (bench/README.md, Communication modes)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +313,10 @@ class CheckpointConfig:
     writer_niceness: int = 19
     """CPU niceness (0-19, Linux) of the threads that write an async save, so that it runs on CPU
     time the training leaves idle instead of slowing the steps; 0: the training's own priority."""
+    init_from: Optional[str] = None
+    """Start from these weights (step 0, fresh optimizer state): a directory written by
+    `shardtrain import-hf`, a run directory or checkpoint step directory, or a Hugging Face model
+    directory (config.json + *.safetensors). Ignored once run_dir has checkpoints (resume wins)."""
 
 
 @dataclass(frozen=True)
@@ -319,6 +416,12 @@ def _build(cls, values: dict, where: str):
     return cls(**kwargs)
 
 
+def from_dict(tree: dict, cls=None):
+    """A config (RunConfig by default, or the section class `cls`) from a plain dict such as a
+    checkpoint's saved config; unknown keys and wrong types raise ConfigError."""
+    return _build(cls or RunConfig, tree, "" if cls is None else cls.__name__)
+
+
 def _set_dotted(tree: dict, dotted: str, value) -> None:
     *parents, last = dotted.split(".")
     for p in parents:
@@ -375,7 +478,8 @@ def read_yaml(p: Path) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: YAML syntax error: {' '.join(str(e).split())}") from None
     if tree is None:
-        raise ConfigError(f"config file '{p}' holds only comments; give at least one section, e.g. copy meshes/demo.yaml")
+        raise ConfigError(f"config file '{p}' holds only comments; give at least one section, "
+                          "e.g. copy meshes/demo.yaml")
     if not isinstance(tree, dict):
         raise ConfigError(f"{p}: expected a mapping of sections (mesh:, model:, ...) at the top level, "
                           f"got {type(tree).__name__}")
@@ -416,7 +520,8 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
     """The config with run_dir defaulted (runs/<name>) and every path made absolute."""
     return dataclasses.replace(
         cfg, run_dir=absolute(cfg.run_dir or str(Path("runs") / cfg.name)),
-        checkpoint=dataclasses.replace(cfg.checkpoint, directory=absolute(cfg.checkpoint.directory)),
+        checkpoint=dataclasses.replace(cfg.checkpoint, directory=absolute(cfg.checkpoint.directory),
+                                       init_from=absolute(cfg.checkpoint.init_from)),
         data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), mixture=tuple(
             dataclasses.replace(e, path=absolute(e.path)) for e in cfg.data.mixture)))
 
@@ -436,7 +541,7 @@ def validate(cfg: RunConfig) -> None:
                         ("train.grad_accum_steps", t.grad_accum_steps), ("train.log_every", t.log_every),
                         ("data.seq_len", cfg.data.seq_len), ("checkpoint.every_steps", cfg.checkpoint.every_steps),
                         ("train.sync_every", t.sync_every), ("train.pipeline_repeats", t.pipeline_repeats),
-                        ("train.eval_steps", t.eval_steps)]:
+                        ("train.scan_unroll", t.scan_unroll), ("train.eval_steps", t.eval_steps)]:
         if value < 1:
             raise ConfigError(f"{name}: must be >= 1, got {value}")
     if t.eval_every < 0:
@@ -454,11 +559,17 @@ def validate(cfg: RunConfig) -> None:
         first, last = t.profile_steps
         if not 1 <= first <= last <= t.steps:
             raise ConfigError(f"train.profile_steps: [{first}, {last}] must be [first, last] steps with "
-                              f"1 <= first <= last <= train.steps={t.steps}, e.g. [{min(3, t.steps)}, {min(5, t.steps)}]")
+                              f"1 <= first <= last <= train.steps={t.steps}, "
+                              f"e.g. [{min(3, t.steps)}, {min(5, t.steps)}]")
     validate_optimizer(cfg.optimizer)
     if not 0 <= cfg.checkpoint.writer_niceness <= 19:
         raise ConfigError(f"checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), "
                           f"got {cfg.checkpoint.writer_niceness}")
+    if t.loss_chunk < 0:
+        raise ConfigError(f"train.loss_chunk: must be >= 0 (0: one chunk), got {t.loss_chunk}")
+    if 0 < t.loss_chunk < cfg.data.seq_len and cfg.data.seq_len % t.loss_chunk:
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must divide data.seq_len={cfg.data.seq_len}; "
+                          f"choose a divisor or 0 (one chunk)")
     if t.global_batch_size % t.grad_accum_steps:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.grad_accum_steps={t.grad_accum_steps}")
@@ -471,8 +582,22 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("model.n_experts and model.n_shared_experts must be >= 0")
     if m.capacity_factor is not None and m.capacity_factor <= 0:
         raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0, or null for dropless routing")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
+                          "(or set model.head_dim)")
+    for target in m.lora.targets:
+        if target not in LORA_TARGETS and target not in LORA_TARGETS.values():
+            raise ConfigError(f"model.lora.targets: unknown weight '{target}'; choose from "
+                              f"{', '.join(LORA_TARGETS)} (or {', '.join(LORA_TARGETS.values())})")
+    if m.lora.rank < 0:
+        raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {m.lora.rank}")
+    if m.lora.rank > 0 and (t.sync != "every_step" or t.grad_reduce_dtype != "float32"):
+        raise ConfigError("model.lora.rank > 0 needs train.sync=every_step and train.grad_reduce_dtype=float32 "
+                          "(LoRA with local SGD or compressed gradients is not supported yet)")
+    moe_lora = [p for p in m.lora.target_params() if p.startswith("w_") and p.endswith(("_df", "_fd"))]
+    if m.n_experts > 1 and moe_lora:
+        raise ConfigError(f"model.lora.targets: {', '.join(moe_lora)} are dense-MLP weights, which an MoE model "
+                          "(model.n_experts > 1) does not have; adapt attention weights only")
     if str(cfg.run_dir).startswith("gs://"):
         raise ConfigError(f"run_dir={cfg.run_dir}: must be a local directory (metrics, plots); put "
                           "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")
@@ -482,7 +607,7 @@ def validate(cfg: RunConfig) -> None:
     validate_hardware(cfg)
     for logical in dataclasses.fields(RulesConfig):
         rule = getattr(cfg.rules, logical.name)
-        for axis in (rule,) if isinstance(rule, str) else rule or ():
+        for axis in mesh_axes(rule):
             if axis not in MESH_AXES:
                 raise ConfigError(f"rules.{logical.name}: unknown mesh axis '{axis}'; "
                                   f"mesh axes: {', '.join(MESH_AXES)}")

@@ -25,7 +25,7 @@ import os
 import re
 import sys
 import traceback
-from typing import Mapping
+from collections.abc import Mapping
 
 from shardtrain.config import ConfigError
 

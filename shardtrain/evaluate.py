@@ -16,8 +16,7 @@ from pathlib import Path
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardtrain import data
-from shardtrain import config as config_lib
+from shardtrain import config as config_lib, data
 from shardtrain.config import ConfigError, RunConfig
 from shardtrain.step import Program
 

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-import math
+import contextlib
 import signal
 import time
 from pathlib import Path
 
 import jax
 
-from shardtrain import checkpoint, config as config_lib, data, evaluate, mesh as mesh_lib, pipeline, step as step_lib
+from shardtrain import (
+    checkpoint,
+    config as config_lib,
+    data,
+    evaluate,
+    mesh as mesh_lib,
+    pipeline,
+    step as step_lib,
+    weights,
+)
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
@@ -51,7 +60,8 @@ def mode_line(cfg: config_lib.RunConfig, mesh) -> str:
     stages = mesh.shape.get("pipeline", 1)
     if stages > 1:
         repeats = f", {t.pipeline_repeats} repeats" if t.pipeline_schedule == "circular" else ""
-        pipe = f"pipeline {t.pipeline_schedule}, {stages} stages, {pipeline.microbatches(cfg, mesh)} micro-batches{repeats}"
+        micro = pipeline.microbatches(cfg, mesh)
+        pipe = f"pipeline {t.pipeline_schedule}, {stages} stages, {micro} micro-batches{repeats}"
     else:
         pipe = "no pipeline"
     accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
@@ -62,30 +72,27 @@ def mode_line(cfg: config_lib.RunConfig, mesh) -> str:
 def train(cfg: config_lib.RunConfig) -> int:
     """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
     A run whose checkpoints already reach train.steps is complete: it says so and returns 0
-    without touching anything. Raises checkpoint.SaveFailed (after closing what it opened) if a
-    checkpoint save fails; what the checkpoint library logs goes to run_dir/shardtrain.log."""
+    without touching anything. Closes everything it opened on every exit path; raises
+    checkpoint.SaveFailed if a checkpoint save fails; what the checkpoint library logs goes to
+    run_dir/shardtrain.log."""
     committed = checkpoint.committed_steps(cfg)
     if committed and max(committed) >= cfg.train.steps:
         if jax.process_index() == 0:
             print(f"run {cfg.run_dir} is complete: checkpoint step {max(committed)} reaches train.steps="
                   f"{cfg.train.steps}; nothing to do (raise train.steps to continue it)", flush=True)
         return 0
-    opened = []
-    try:
-        with checkpoint.library_log(cfg):
-            return _train(cfg, opened)
-    except checkpoint.SaveFailed:
-        for thing in reversed(opened):
-            thing.close()
-        raise
+    with contextlib.ExitStack() as opened:
+        opened.enter_context(checkpoint.library_log(cfg))
+        return _train(cfg, opened)
 
 
-def _train(cfg: config_lib.RunConfig, opened: list) -> int:
+def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
     dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
+    init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
     evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
+    n_params = prog.param_count()
     is_main = jax.process_index() == 0
     if is_main:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
@@ -98,12 +105,17 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
             print(tokens_source.describe(cfg), flush=True)
 
     preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
+    opened.callback(preemption.close)
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
-    ckpt = checkpoint.Checkpointer(prog)
-    opened += [preemption, ckpt]
+    ckpt = opened.enter_context(contextlib.closing(checkpoint.Checkpointer(prog)))
     restored = ckpt.restore_latest(say=lambda text: is_main and print(text, flush=True))
-    if restored is None:
+    if restored is None and init_from is not None:  # resume wins over init_from
+        state, start = weights.initial_state(prog, init_from), 0
+        if is_main:
+            print(f"starting from the weights of {init_from.step_dir or init_from.path} "
+                  "(step 0, fresh optimizer state)", flush=True)
+    elif restored is None:
         state, start = prog.init(cfg.train.seed), 0
     else:
         state, meta = restored
@@ -114,8 +126,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     if is_main:
         print(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}", flush=True)
 
-    metrics = Metrics(cfg, n_params, start)
-    opened.append(metrics)
+    metrics = opened.enter_context(contextlib.closing(Metrics(cfg, prog.flops_per_token(), start)))
     if start > 0:
         metrics.event("resume", step=start)
     rows = prog.local_rows()
@@ -167,10 +178,7 @@ def _train(cfg: config_lib.RunConfig, opened: list) -> int:
     if tracing:  # preempted inside the traced steps
         jax.profiler.stop_trace()
     ckpt.wait()
-    ckpt.close()
-    metrics.close()
-    metrics.summary()
-    preemption.close()
+    metrics.summary()  # a finished run's closing line (the ExitStack then closes what was opened)
     return exit_code
 
 

@@ -14,16 +14,6 @@ from shardtrain import chips
 from shardtrain.config import RunConfig
 
 
-def model_flops_per_token(cfg: RunConfig, n_params: int) -> float:
-    """6N for the matmuls (forward + backward) plus attention scores and values, 12 L T D. For a
-    mixture of experts N counts the active parameters: each token's k experts, not all of them."""
-    m = cfg.model
-    attention = 12 * m.n_layers * cfg.data.seq_len * m.d_model if m.name == "gpt" else 0
-    if m.name == "gpt" and m.n_experts > 1:
-        n_params -= m.n_layers * (m.n_experts - m.experts_per_token) * 3 * m.d_model * m.d_ff
-    return 6 * n_params + attention
-
-
 def drop_rows_after(path: Path, step: int) -> None:
     """Removes the step rows past `step` (logged after the checkpoint a run resumes from, e.g.
     before a kill -9), so a resumed metrics.jsonl has each step once. Event lines stay."""
@@ -44,11 +34,12 @@ def drop_rows_after(path: Path, step: int) -> None:
 class Metrics:
     """Logs one row per logged step; writes only on process 0 (others keep the bookkeeping)."""
 
-    def __init__(self, cfg: RunConfig, n_params: int, start_step: int):
+    def __init__(self, cfg: RunConfig, flops_per_token: float, start_step: int):
+        """flops_per_token: the model's (for MFU); start_step: the step the run starts or resumes at."""
         self.cfg, self.dir = cfg, Path(cfg.run_dir)
         self.main = jax.process_index() == 0
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-        self.flops_per_step = model_flops_per_token(cfg, n_params) * self.tokens_per_step
+        self.flops_per_step = flops_per_token * self.tokens_per_step
         chip = chips.for_device_kind(jax.devices()[0].device_kind)
         self.peak_flops = chip.peak_flops * jax.device_count() if chip else None
         self.step_times: list[float] = []
@@ -92,7 +83,8 @@ class Metrics:
         self.file.flush()
         for k, v in values.items():
             self.tb.add_scalar(k, v, step)
-        self.message(f"step {step}: eval_loss {values['eval_loss']:.4f}, eval_perplexity {values['eval_perplexity']:.2f}")
+        self.message(f"step {step}: eval_loss {values['eval_loss']:.4f}, "
+                     f"eval_perplexity {values['eval_perplexity']:.2f}")
 
     def event(self, event: str, **fields) -> None:
         if self.main:

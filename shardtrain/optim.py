@@ -16,8 +16,22 @@ def schedule(cfg: RunConfig) -> optax.Schedule:
         end_value=o.learning_rate * o.min_lr_ratio)
 
 
+def is_adapter(path) -> bool:
+    return "_lora_" in jax.tree_util.keystr(path)
+
+
 def make(cfg: RunConfig) -> optax.GradientTransformation:
-    """AdamW (no weight decay on norm scales) after global-norm clipping."""
+    """AdamW (no weight decay on norm scales) after global-norm clipping. With LoRA adapters
+    (model.lora.rank > 0) only they are updated (and clipped, and hold optimizer state)."""
+    if cfg.model.lora.rank > 0:
+        return optax.multi_transform(
+            {"adapter": adamw(cfg), "frozen": optax.set_to_zero()},
+            lambda params: jax.tree_util.tree_map_with_path(
+                lambda path, _: "adapter" if is_adapter(path) else "frozen", params))
+    return adamw(cfg)
+
+
+def adamw(cfg: RunConfig) -> optax.GradientTransformation:
     o = cfg.optimizer
     return optax.chain(
         optax.clip_by_global_norm(o.grad_clip),

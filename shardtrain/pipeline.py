@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from shardtrain import sharding
+from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
 
 AXIS = "pipeline"
@@ -40,11 +41,8 @@ def _repeats(cfg: RunConfig) -> int:
 
 def _rows_per_replica(cfg: RunConfig, mesh: Mesh) -> int:
     """Rows of one gradient-accumulation chunk held by one data-parallel replica (batch ways)."""
-    axes = sharding.spec_for(("batch",), cfg.rules, mesh)[0] or ()
-    ways = 1
-    for axis in (axes,) if isinstance(axes, str) else axes:
-        ways *= mesh.shape[axis]
-    return cfg.train.global_batch_size // cfg.train.grad_accum_steps // max(ways, 1)
+    ways = sharding.axes_size(mesh, sharding.spec_for(("batch",), cfg.rules, mesh)[0])
+    return cfg.train.global_batch_size // cfg.train.grad_accum_steps // ways
 
 
 def microbatches(cfg: RunConfig, mesh: Mesh) -> int:
@@ -86,16 +84,14 @@ def bubble_fraction(cfg: RunConfig, mesh: Mesh) -> float:
 
 
 def runner(cfg: RunConfig, mesh: Mesh):
-    """`run_blocks(blocks, x_btd, positions=None) -> x_btd`: the stacked blocks as a pipeline over
-    `pipeline` (positions: always None, step.build refuses context parallelism with pipelines)."""
-    from shardtrain.step import scan_runner  # step imports this module lazily
+    """`run_blocks(blocks, x_btd) -> x_btd`: the stacked blocks as a pipeline over `pipeline`."""
     stages, v, m_count = check(cfg, mesh)
     group = cfg.model.n_layers // (stages * v)
     run_group = scan_runner(cfg)
     ring = [(i, (i + 1) % stages) for i in range(stages)]
     batch_axes = sharding.spec_for(("batch",), cfg.rules, mesh)[0]
 
-    def run(blocks, x_btd, positions=None):
+    def run(blocks, x_btd):
         graphdef, state = nnx.split(blocks)
         # (L, ...) -> (P, v, Lg, ...): stage p holds groups r P + p (a no-op regrouping when v = 1)
         staged = jax.tree.map(lambda w: w.reshape(v, stages, group, *w.shape[1:]).swapaxes(0, 1), state)

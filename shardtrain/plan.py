@@ -22,15 +22,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 
 import jax
 
 from shardtrain import chips as chips_lib, comm, hlo, mesh as mesh_lib, sharding, step as step_lib, topology
 from shardtrain.config import MESH_AXES, ConfigError, HardwareConfig, RunConfig, validate_hardware
-from shardtrain.metrics import model_flops_per_token
-
 
 # ----------------------------------------------------------------------------- chips and devices
 
@@ -68,12 +65,6 @@ def plan_devices(n: int) -> list:
 
 
 # ----------------------------------------------------------------------------- one mesh
-
-
-def shard_bytes(tree) -> int:
-    """Bytes per device of a tree of ShapeDtypeStructs with shardings (every device holds the same
-    amount, since every sharded dimension divides)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def pipeline_schedule(cfg: RunConfig, mesh) -> dict | None:
@@ -141,9 +132,9 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     n = mesh.devices.size
     chip_dev = per_device(chip, n)
     params = prog.abstract_state["params"]
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    n_params = prog.param_count()
     mem = compiled.memory_analysis()
-    params_b, batch_b = shard_bytes(params), shard_bytes(prog.abstract_batch())
+    params_b, batch_b = sharding.shard_bytes(params), sharding.shard_bytes(prog.abstract_batch())
     total_b = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -159,12 +150,13 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         slices = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
         colls += hlo.dcn_reductions(text, tuple(a for a in MESH_AXES if a in dcn_axes), slices)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    flops_token = model_flops_per_token(cfg, n_params)
+    flops_token = prog.flops_per_token()
     return {
         "config": cfg.name, "model": cfg.model.name, "devices": n, "chip": chip.name,
         "compiler": platform, "compiler_note": compiler_note(platform, chip), "topology": topology_name(mesh),
         "mesh": {a: int(s) for a, s in mesh.shape.items()},
-        "params": {"count": n_params, "bytes": sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))},
+        "params": {"count": n_params,
+                   "bytes": sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))},
         "memory_per_device_bytes": {
             "params": params_b, "optimizer": mem.argument_size_in_bytes - params_b - batch_b, "batch": batch_b,
             "temp": mem.temp_size_in_bytes, "total": total_b},
@@ -205,9 +197,23 @@ def topology_name(mesh) -> str | None:
 
 
 def compile_fast(lowered, platform: str):
-    """Compiles for reading, not running: on CPU without LLVM optimisation (66 s vs 118 s for the demo; buffer
-    assignment, cost analysis and collectives are decided before it and came out identical)."""
-    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0} if platform == "cpu" else None)
+    """Compiles for reading, not running: on CPU without LLVM optimisation (about half the compile time,
+    bench/README.md, Planner accuracy; buffer assignment, cost analysis and collectives are decided
+    before it and came out identical). A compile for a TPU topology without a TPU bypasses JAX's
+    persistent compilation cache (a run may have switched it on): its compile-only client cannot read
+    entries back ("PjRtCompiler must be constructed with a Client")."""
+    if platform == "cpu":
+        return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is in use
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def compile_program(prog: step_lib.Program):
@@ -288,55 +294,40 @@ def format_report(r: dict) -> str:
 # ----------------------------------------------------------------------------- entry point
 
 
-def hardware(cfg: RunConfig, args) -> HardwareConfig:
+def hardware(cfg: RunConfig, chip: str | None = None, topology_flag: str | None = None,
+             slices: int | None = None) -> HardwareConfig:
     """What to plan for: --chip / --topology / --slices, else the config's `hardware` section."""
-    hw, chip = cfg.hardware, getattr(args, "chip", None)
-    flag_topology, flag_slices = getattr(args, "topology", None), getattr(args, "slices", None)
+    hw = cfg.hardware
     same_chip = chip in (None, hw.chip)
-    if (flag_topology or flag_slices) and chip is None and hw.chip is None:
+    if (topology_flag or slices) and chip is None and hw.chip is None:
         raise ConfigError("--topology needs the chip it is a topology of: --chip v5e (or hardware.chip in the config)")
     out = HardwareConfig(chip=chip or hw.chip,
-                         topology=flag_topology or (hw.topology if same_chip else None),
-                         slices=flag_slices or (hw.slices if same_chip and not flag_topology else 1))
+                         topology=topology_flag or (hw.topology if same_chip else None),
+                         slices=slices or (hw.slices if same_chip and not topology_flag else 1))
     if chip is not None and chip not in chips_lib.CHIPS:
         raise ConfigError(f"--chip: unknown chip '{chip}'; known: {', '.join(chips_lib.CHIPS)}")
     validate_hardware(dataclasses.replace(cfg, hardware=out))
     return out
 
 
-def target_devices(cfg: RunConfig, hw: HardwareConfig, n: int | None) -> list:
-    """The devices to plan on: a TPU topology's compile-only devices, else the real or simulated ones."""
+def target(cfg: RunConfig, n_devices: int, requested: int | None = None, chip: str | None = None,
+           topology_flag: str | None = None, slices: int | None = None,
+           memory_limit: float | None = None) -> tuple[list, chips_lib.Chip]:
+    """(devices, chip) to plan on: a TPU topology's compile-only devices, else `n_devices` real or
+    simulated ones; `requested` is --devices as given (checked against a topology's chip count)."""
+    hw = hardware(cfg, chip, topology_flag, slices)
     if hw.topology is None:
-        return plan_devices(n or cli_devices(cfg))
-    devices = list(topology.devices(chips_lib.CHIPS[hw.chip], hw.topology, hw.slices))
-    if n is not None and n != len(devices):
-        raise ConfigError(f"--devices {n}: the {hw.chip} topology {hw.topology} x {hw.slices} slice(s) has "
-                          f"{len(devices)} chips; drop --devices or change the topology")
-    return devices
+        devices = plan_devices(n_devices)
+    else:
+        devices = list(topology.devices(chips_lib.CHIPS[hw.chip], hw.topology, hw.slices))
+        if requested is not None and requested != len(devices):
+            raise ConfigError(f"--devices {requested}: the {hw.chip} topology {hw.topology} x {hw.slices} slice(s) "
+                              f"has {len(devices)} chips; drop --devices or change the topology")
+    return devices, pick_chip(hw.chip, devices, memory_limit)
 
 
-def main(cfg: RunConfig, args) -> int:
-    hw = hardware(cfg, args)
-    devices = target_devices(cfg, hw, args.devices)
-    chip = pick_chip(hw.chip, devices, getattr(args, "memory_limit", None))
-    if args.search:
-        from shardtrain import search
-        result = search.search(cfg, devices, chip)
-        if args.json:
-            print(json.dumps(result, indent=1, default=float))
-        else:
-            print(search.format_table(result))
-        if args.write:
-            search.write_best(cfg, result, args.write)
-            print(f"wrote {args.write}", file=sys.stderr)
-        return 0
-    if args.write:
-        raise ConfigError("--write needs --search (it writes the best mesh found)")
+def main(cfg: RunConfig, devices: list, chip: chips_lib.Chip, as_json: bool = False) -> int:
+    """`shardtrain plan`: prints the plan of cfg's mesh on `devices` (--search: search.main)."""
     r = plan_one(cfg, devices, chip)
-    print(json.dumps(r, indent=1, default=float) if args.json else format_report(r))
+    print(json.dumps(r, indent=1, default=float) if as_json else format_report(r))
     return 0
-
-
-def cli_devices(cfg: RunConfig) -> int:
-    from shardtrain.cli import mesh_devices
-    return mesh_devices(cfg)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, step as step_lib
+from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, sharding, step as step_lib
 from shardtrain.config import MESH_AXES, ConfigError, MeshConfig, RunConfig, dump, validate
 
 
@@ -111,7 +112,7 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
             except Exception as e:  # e.g. a pipeline module missing or failing: report, go on
                 rows.append(Row(sizes, m, f"not built: {type(e).__name__}: {str(e)[:200]}"))
                 continue
-            state = plan.shard_bytes(prog.abstract_state)
+            state = sharding.shard_bytes(prog.abstract_state)
             row = Row(sizes, m, "ranked", state_bytes=state)
             rows.append(row)
             if state > limit:
@@ -221,3 +222,13 @@ def write_best(cfg: RunConfig, result: dict, path: str) -> None:
     Path(path).write_text(f"# Written by `shardtrain plan --search` ({result['devices']} devices, {result['chip']}): "
                           f"estimated {best['report']['estimate']['step_time_s'] * 1e3:.2f} ms/step\n"
                           + yaml.safe_dump(tree, sort_keys=False))
+
+
+def main(cfg: RunConfig, devices: list, chip: chips_lib.Chip, as_json: bool = False, write: str | None = None) -> int:
+    """`shardtrain plan --search`: prints the ranked meshes of `devices`; `write`: the best as a config."""
+    result = search(cfg, devices, chip)
+    print(json.dumps(result, indent=1, default=float) if as_json else format_table(result))
+    if write:
+        write_best(cfg, result, write)
+        print(f"wrote {write}", file=sys.stderr)
+    return 0

@@ -10,13 +10,14 @@ import dataclasses
 import functools
 import math
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from shardtrain.config import ConfigError, RulesConfig
+from shardtrain.config import AxisRule, ConfigError, RulesConfig, mesh_axes
 
 LOGICAL_AXES = tuple(f.name for f in dataclasses.fields(RulesConfig))
 
@@ -37,22 +38,30 @@ def spec_for(names: Sequence[str | None], rules: RulesConfig, mesh: Mesh, *, sha
             continue
         if name not in LOGICAL_AXES:
             raise ConfigError(f"{what}: unknown logical axis '{name}'; rules define: {', '.join(LOGICAL_AXES)}")
-        rule = getattr(rules, name)
-        axes = [a for a in ((rule,) if isinstance(rule, str) else rule or ()) if mesh.shape[a] > 1]
+        axes = [a for a in mesh_axes(getattr(rules, name)) if mesh.shape[a] > 1]
         for a in axes:
             if a in used:
                 raise ConfigError(f"{what}: mesh axis '{a}' is used twice in one PartitionSpec (by logical "
                                   f"axes '{used[a]}' and '{name}'); change rules.{name} or rules.{used[a]}")
             used[a] = name
         if shape is not None and axes:
-            ways = 1
-            for a in axes:
-                ways *= mesh.shape[a]
+            ways = axes_size(mesh, axes)
             if shape[dim] % ways:
                 raise ConfigError(f"{what}: dimension {dim} ('{name}') of size {shape[dim]} is not divisible by "
                                   f"mesh axes {'x'.join(axes)} = {ways}; change the mesh or rules.{name}")
         spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return P(*spec)
+
+
+def axes_size(mesh: Mesh, axes: AxisRule) -> int:
+    """How many ways `axes` (a rule, a PartitionSpec entry or a tuple of mesh axes) split a dimension."""
+    return math.prod(mesh.shape[a] for a in mesh_axes(axes))
+
+
+def shard_bytes(tree) -> int:
+    """Bytes per device of a tree of ShapeDtypeStructs (or arrays) with shardings (every device
+    holds the same amount, since every sharded dimension divides)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def logical_names(abstract_state: nnx.State) -> dict:
@@ -81,7 +90,7 @@ def named(mesh: Mesh, specs: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Constrain:
-    """Activation sharding constraint by logical names: `constrain(x_btd, ("batch", "seq", None))`.
+    """Activation sharding constraint by logical names: `constrain(x_btd, ("batch", "seq", "activation_embed"))`.
 
     Built by the trainer from the rules and mesh and handed to the model; the default
     (`mesh=None`) does nothing, so models also run unsharded.
@@ -100,51 +109,64 @@ class Constrain:
         mesh = current if current.manual_axes else self.mesh
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    def mesh_axes(self, name: str) -> tuple[str, ...]:
+    @property
+    def platform(self) -> str | None:
+        """Platform of the mesh's devices ('tpu' for abstract TPU topology devices), or None (no mesh,
+        or an AbstractMesh, which has no devices)."""
+        if self.mesh is None or isinstance(self.mesh, jax.sharding.AbstractMesh):
+            return None
+        return self.mesh.devices.flat[0].platform
+
+    def split_axes(self, name: str) -> tuple[str, ...]:
         """Mesh axes (of size > 1) that logical axis `name` is split over; () without a mesh."""
         if self.mesh is None:
             return ()
-        rule = getattr(self.rules, name)
-        return tuple(a for a in ((rule,) if isinstance(rule, str) else rule or ()) if self.mesh.shape[a] > 1)
+        return tuple(a for a in mesh_axes(getattr(self.rules, name)) if self.mesh.shape[a] > 1)
 
     def size(self, name: str) -> int:
         """Ways logical axis `name` is split (1 without a mesh): a model asks `size("seq")` to pick
         ring attention, never which mesh axes those are."""
-        return math.prod(self.mesh.shape[a] for a in self.mesh_axes(name)) if self.mesh is not None else 1
+        return axes_size(self.mesh, self.split_axes(name)) if self.mesh is not None else 1
 
-    def per_shard(self, fn, in_names, out_names):
-        """`fn(shard, *local_arrays)` run on each device's shards (a `jax.shard_map` manual over
-        every mesh axis not already manual), arrays split by logical names. `shard` (a `Shard`)
-        offers collectives over logical axes, so the function never names a mesh axis. Without a
-        mesh: `fn(Shard.UNSHARDED, *arrays)` on the whole arrays. `out_names`: one tuple of names,
-        or a tuple of them for several outputs."""
+    def shard_map(self, fn, in_names, out_names):
+        """`fn(shard, *local_arrays)` run on each device's shards (a `jax.shard_map` manual over every
+        mesh axis not already manual), inputs and outputs split by logical names (axes the names
+        leave out see replicated data): for kernels that need local shapes (splash attention) and
+        for code that moves data between devices (MoE dispatch, ring attention). `shard` (a `Shard`)
+        offers collectives over logical axes, so `fn` never names a mesh axis. `out_names`: one
+        tuple of names, or a tuple of them for several outputs. No mesh: `fn(Shard.UNSHARDED, ...)`
+        on the whole arrays. Varying-manual-axes checking is off (`check_vma=False`): Pallas kernels
+        (splash) do not declare it; the collectives above are the only cross-device ones."""
         if self.mesh is None:
             return functools.partial(fn, Shard.UNSHARDED)
         current = jax.sharding.get_abstract_mesh()
         mesh = current if current.manual_axes else self.mesh
         free = frozenset(a for a in self.mesh.axis_names if a not in current.manual_axes)
-        axes = {n: self.mesh_axes(n) for n in LOGICAL_AXES}
+        axes = {n: self.split_axes(n) for n in LOGICAL_AXES}
         shard = Shard({n: a for n, a in axes.items() if a and set(a) <= free},
                       {a: int(self.mesh.shape[a]) for a in free})
 
-        def spec(names):
-            return spec_for(names, self.rules, self.mesh, what=f"per-shard array {tuple(names)}")
+        def spec(names, what):
+            return spec_for(names, self.rules, self.mesh, what=f"{what} {tuple(names)}")
+
         many = bool(out_names) and all(isinstance(n, tuple) for n in out_names)
-        out_specs = tuple(spec(n) for n in out_names) if many else spec(out_names)
-        return jax.shard_map(functools.partial(fn, shard), mesh=mesh, in_specs=tuple(spec(n) for n in in_names),
-                             out_specs=out_specs, axis_names=set(free))
+        out_specs = (tuple(spec(n, "shard_map output") for n in out_names) if many
+                     else spec(out_names, "shard_map output"))
+        in_specs = tuple(spec(n, "shard_map input") for n in in_names)
+        return jax.shard_map(functools.partial(fn, shard), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=set(free), check_vma=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Collectives over logical axes inside `Constrain.per_shard` (identity when unsharded)."""
+    """Collectives over logical axes inside `Constrain.shard_map` (identities when unsharded)."""
 
     axes: dict
     """logical name -> its mesh axes (size > 1, manual here); absent names are not split."""
     sizes: dict
     """manual mesh axis -> size."""
 
-    UNSHARDED: typing.ClassVar["Shard"]
+    UNSHARDED: typing.ClassVar[Shard]
 
     def size(self, name: str) -> int:
         return math.prod(self.sizes[a] for a in self.axes.get(name, ()))
@@ -178,14 +200,6 @@ class Shard:
             return x
         n = self.size(name)
         return jax.lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
-
-    def like(self, x, *refs):
-        """`x` (created inside, e.g. a loop carry's zeros) varying over the mesh axes `refs` vary over."""
-        vma = set()
-        for ref in refs:
-            vma |= getattr(getattr(jax.typeof(ref), "manual_axis_type", None), "varying", frozenset())
-        vma -= getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
-        return jax.lax.pcast(x, tuple(sorted(vma)), to="varying") if vma else x
 
 
 Shard.UNSHARDED = Shard({}, {})

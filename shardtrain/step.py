@@ -11,7 +11,10 @@ Train state (a plain dict pytree, checkpointed as is):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +23,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
-from shardtrain import comm, data, optim, sharding
+from models import attention
+from shardtrain import comm, data, optim, pipeline, sharding
+from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
+from shardtrain.loss import weighted_cross_entropy_sum
 
 
 @dataclasses.dataclass
@@ -69,6 +69,17 @@ class Program:
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
             self.batch_sharding, x, self.batch_shape()), local_batch)
 
+    def param_count(self) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_state["params"]))
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per trained token (forward + backward), as the model reports them (6N, the
+        matmuls alone, for a model that does not)."""
+        report = getattr(model_class(self.cfg), "flops_per_token", None)
+        if report is None:
+            return 6 * self.param_count()
+        return report(self.cfg.model, self.param_count(), self.cfg.data.seq_len)
+
     def lower(self):
         return self.step.lower(self.abstract_state, self.abstract_batch())
 
@@ -104,160 +115,220 @@ def dtype(name: str):
     return jnp.dtype(name)
 
 
+def model_class(cfg: RunConfig):
+    """The model class that model.name names (ConfigError for an unknown name)."""
+    try:
+        return models.get(cfg.model.name)
+    except models.UnknownModel as e:
+        raise ConfigError(str(e)) from None
+
+
 def abstract_model(cfg: RunConfig, constrain=models.no_constraint):
-    cls = models.get(cfg.model.name)
+    cls = model_class(cfg)
     return nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0), constrain=constrain))
 
 
-def scan_runner(cfg: RunConfig) -> Callable:
-    """Runs the stacked blocks with lax.scan, each layer rematerialised by the configured policy."""
-    policy = REMAT_POLICIES.get(cfg.train.remat)
-    wrap = (lambda f: jax.checkpoint(f, policy=policy)) if policy else (lambda f: f)
-    return lambda blocks, x, **docs: models.scan_blocks(blocks, x, wrap=wrap, **docs)
 
 
-def context_order(cfg: RunConfig, mesh: Mesh):
-    """Under context parallelism (`seq` split n ways, n > 1), the causal load-balanced order of the
-    sequence's positions (chunks i and 2n-1-i of 2n on device i; models/ring_attention.py); else None.
-    The step feeds every field of the batch in this order, positions included: the summed loss is
-    the same in any order, so nothing is un-permuted."""
-    n = sharding.Constrain(cfg.rules, mesh).size("seq")
+# ----------------------------------------------------------------------------- the pieces of `build`
+
+
+def blocks_runner(cfg: RunConfig, mesh: Mesh) -> Callable:
+    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: a pipeline over `pipeline` when that axis is > 1
+    (its errors name layers, stages, repeats), else a scan."""
+    if mesh.shape["pipeline"] == 1:
+        return scan_runner(cfg)
+    if cfg.model.n_experts > 1 or sharding.Constrain(cfg.rules, mesh).size("seq") > 1:
+        raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.n_experts > 1) or context "
+                          "parallelism (mesh.context > 1) yet; use mesh.pipeline=1")
+    if data.packed(cfg):
+        raise ConfigError(f"data.source={cfg.data.source} packs documents with segment ids, which the pipeline "
+                          "(mesh.pipeline > 1) does not carry yet; use mesh.pipeline=1")
+    return pipeline.runner(cfg, mesh)
+
+
+def context_order(cfg: RunConfig, mesh: Mesh) -> Callable | None:
+    """Under context parallelism (`seq` split n ways, n > 1), `reorder(x_bt)`: x's positions in the
+    causal load-balanced order (chunks i and 2n-1-i of 2n on device i; models/attention.py),
+    split over `seq`; else None. The loss feeds every field of the batch in this order, positions
+    included: the summed loss is the same in any order, so nothing is un-permuted."""
+    constrain = sharding.Constrain(cfg.rules, mesh)
+    n = constrain.size("seq")
     if n == 1:
         return None
-    from models.ring_attention import load_balanced_order
+    if comm.enabled(cfg):
+        raise ConfigError("mesh.context > 1 does not combine with train.sync=local_sgd or a compressed "
+                          "train.grad_reduce_dtype yet; use mesh.context=1")
     if cfg.data.seq_len % (2 * n):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be a multiple of 2 x the {n} ways rules.seq "
                           f"splits it (mesh.context): context parallelism gives each device two chunks")
-    return jnp.asarray(load_balanced_order(cfg.data.seq_len, n))
+    order_t = jnp.asarray(attention.load_balanced_order(cfg.data.seq_len, n))
+    return lambda x_bt: constrain(x_bt[:, order_t], ("batch", "seq"))
 
 
-def cross_entropy(logits_btv, targets_bt):
-    """Per-token cross-entropy (B, T), float32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+def abstract_params(cfg: RunConfig, constrain) -> tuple[Any, dict, dict]:
+    """(graphdef, parameter ShapeDtypeStructs in train.param_dtype, their logical axis names)."""
+    graphdef, state = nnx.split(abstract_model(cfg, constrain))
+    names = sharding.logical_names(state)
+    param_dtype = dtype(cfg.train.param_dtype)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), nnx.to_pure_dict(state))
+    return graphdef, shapes, names
 
 
-def build(cfg: RunConfig, mesh: Mesh) -> Program:
-    run_blocks = scan_runner(cfg)
-    order_t = context_order(cfg, mesh)
-    if mesh.shape["pipeline"] > 1 and (cfg.model.n_experts > 1 or order_t is not None):
-        raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.n_experts > 1) or mesh.context > 1 "
-                          "yet; use mesh.pipeline=1")
-    if mesh.shape["pipeline"] > 1 and data.packed(cfg):
-        raise ConfigError(f"data.source={cfg.data.source} packs documents with segment ids, which the pipeline "
-                          "(mesh.pipeline > 1) does not carry yet; use mesh.pipeline=1")
-    if mesh.shape["pipeline"] > 1:
-        from shardtrain import pipeline
-        run_blocks = pipeline.runner(cfg, mesh)  # first: its errors name layers, stages, repeats
-
-    constrain = sharding.Constrain(cfg.rules, mesh)
-    graphdef, abstract_params = nnx.split(abstract_model(cfg, constrain))
-    names = sharding.logical_names(abstract_params)
-    param_dtype, compute_dtype = dtype(cfg.train.param_dtype), dtype(cfg.train.compute_dtype)
-    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype),
-                                   nnx.to_pure_dict(abstract_params))
-    param_shardings = sharding.named(mesh, sharding.param_specs(abstract_params, names, cfg.rules, mesh))
+def state_shardings(cfg: RunConfig, mesh: Mesh, tx: optax.GradientTransformation, params: dict,
+                    names: dict) -> dict:
+    """Shardings of the train state: parameters by the rules, optimizer state like its parameters
+    (`jax.jit(tx.init)` alone would replicate it), scalars replicated."""
     replicated = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, sharding.spec_for(
+    param_shardings = sharding.named(mesh, sharding.param_specs(params, names, cfg.rules, mesh))
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 - parameters without state (frozen by LoRA)
+    opt_shardings = optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, jax.eval_shape(tx.init, params),
+                                          param_shardings, transform_non_params=lambda _: replicated, is_leaf=masked)
+    return {"params": param_shardings, "opt": opt_shardings, "step": replicated}
+
+
+def batch_sharding(cfg: RunConfig, mesh: Mesh) -> NamedSharding:
+    """The (global batch, seq_len + 1) token batch: rows by rules.batch."""
+    return NamedSharding(mesh, sharding.spec_for(
         ("batch", None), cfg.rules, mesh, shape=(cfg.train.global_batch_size, cfg.data.seq_len + 1),
         what="batch (train.global_batch_size, data.seq_len + 1)"))
 
-    tx = optim.make(cfg)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
-                                          transform_non_params=lambda _: replicated)
-    state_shardings = {"params": param_shardings, "opt": opt_shardings, "step": replicated}
-    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                  {"params": abstract_params, "opt": abstract_opt,
-                                   "step": jax.ShapeDtypeStruct((), jnp.int32)}, state_shardings)
 
-    def init(seed):
-        cls = models.get(cfg.model.name)
-        params = nnx.to_pure_dict(nnx.split(cls(cfg.model, rngs=nnx.Rngs(params=seed)))[1])
-        params = jax.tree.map(lambda p: p.astype(param_dtype), params)
+def with_shardings(shapes, shardings):
+    """ShapeDtypeStructs carrying their shardings (the state without allocating it)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def init_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
+    """key -> {params, opt, step}: the model initialised from `key`, in train.param_dtype."""
+    def init(key):
+        params = nnx.to_pure_dict(nnx.split(model_class(cfg)(cfg.model, rngs=nnx.Rngs(params=key)))[1])
+        params = jax.tree.map(lambda p: p.astype(dtype(cfg.train.param_dtype)), params)
         return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    return init
 
-    def loss_sum(model, batch):
-        """(summed cross-entropy over the counted positions, their number, the auxiliary losses the
-        model reports: a dict, e.g. an MoE router's)."""
-        inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
-        if order_t is not None:  # context parallelism: every field in the load-balanced order
-            if positions_bt is None:
-                positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
-            fields = [inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt]
-            inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = (
-                None if x is None else constrain(x[:, order_t], ("batch", "seq")) for x in fields)
-        docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
-        out = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
-        x_btd, aux = out if isinstance(out, tuple) else (out, {})
-        return (cross_entropy(model.head(x_btd), targets_bt) * weights_bt).sum(), weights_bt.sum(), aux
+
+def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callable | None = None) -> Callable:
+    """(params, batch) -> (summed next-token cross-entropy over the counted positions, their number,
+    the auxiliary losses the model reports: a dict, e.g. an MoE router's), computed in
+    train.compute_dtype: embed -> run_blocks -> head (packed documents: see `unpack`). `reorder`
+    (`context_order`) is applied to every field of the batch, positions included."""
+    compute_dtype = dtype(cfg.train.compute_dtype)
 
     def loss_sums(params, batch):
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        return loss_sum(model, batch)[:2]
+        inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
+        if reorder is not None:  # context parallelism: every field in the load-balanced order
+            if positions_bt is None:
+                positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
+            fields = (inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt)
+            inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = (
+                None if x is None else reorder(x) for x in fields)
+        docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
+        out = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
+        x_btd, aux = out if isinstance(out, tuple) else (out, {})
+        total = weighted_cross_entropy_sum(model.head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk)
+        return total, weights_bt.sum(), aux
+    return loss_sums
 
-    def make_loss_and_grads(constrain):
-        """loss_and_grads for the model with activations constrained by `constrain` (comm runs it per replica)."""
-        graphdef = nnx.split(abstract_model(cfg, constrain))[0]
 
-        def loss_fn(params, batch, denominator):
-            """(objective, losses) of one micro-batch: `loss` = its summed token loss / denominator
-            (the whole step's counted tokens), plus each auxiliary loss the model reports (an MoE
-            router's) / grad_accum_steps; the objective is their sum, every entry is logged."""
-            model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-            loss, _, aux = loss_sum(model, batch)
-            losses = {"loss": loss / denominator, **{k: v / cfg.train.grad_accum_steps for k, v in aux.items()}}
-            return sum(losses.values()), losses
+def loss_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callable | None = None) -> Callable:
+    """(params, batch, denominator=None) -> (objective, losses): `losses["loss"]` the summed token loss
+    / denominator (default: the batch's own counted tokens, i.e. the mean), plus each auxiliary loss
+    the model reports (an MoE router's) / train.grad_accum_steps; the objective is their sum, every
+    entry is logged."""
+    loss_sums = loss_sums_fn(cfg, graphdef, run_blocks, reorder)
 
-        def loss_and_grads(params, batch):
-            """Mean losses (a dict: `loss` the token loss, and any auxiliary losses) and gradients
-            over train.grad_accum_steps micro-batches (= the full batch's)."""
-            accum = cfg.train.grad_accum_steps
-            denominator = jnp.maximum(unpack(batch)[-1].sum(), 1.0)
-            grad_fn = jax.grad(loss_fn, has_aux=True)
-            if accum == 1:
-                grads, losses = grad_fn(params, batch, denominator)
-                return losses, grads
-            # (B, T+1) -> (A, B/A, T+1) for each field of the batch
-            micro = jax.tree.map(lambda x: x.reshape(accum, -1, x.shape[-1]), batch)
+    def loss(params, batch, denominator=None):
+        total, count, aux = loss_sums(params, batch)
+        losses = {"loss": total / (jnp.maximum(count, 1.0) if denominator is None else denominator),
+                  **{k: v / cfg.train.grad_accum_steps for k, v in aux.items()}}
+        return sum(losses.values()), losses
+    return loss
 
-            def body(carry, micro_batch):
-                micro_batch = jax.tree.map(lambda x: constrain(x, ("batch", None)), micro_batch)
-                grads, losses = grad_fn(params, micro_batch, denominator)
-                return jax.tree.map(jnp.add, carry, (losses, grads)), None
 
-            abstract_losses = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micro), denominator)[1]
-            zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_losses),
-                     jax.tree.map(jnp.zeros_like, params))
-            return jax.lax.scan(body, zeros, micro)[0]
-        return loss_and_grads
+def make_loss_and_grads(cfg: RunConfig, run_blocks: Callable, reorder: Callable | None, constrain) -> Callable:
+    """(params, batch) -> (losses, grads): the mean losses (a dict: `loss` the token loss, and any
+    auxiliary losses) and gradients over train.grad_accum_steps micro-batches (= the full batch's),
+    activations constrained by `constrain` (comm.py passes its own, per replica)."""
+    loss = loss_fn(cfg, nnx.split(abstract_model(cfg, constrain))[0], run_blocks, reorder)
+    grad_fn = jax.grad(loss, has_aux=True)
+    accum = cfg.train.grad_accum_steps
 
+    def loss_and_grads(params, batch):
+        denominator = jnp.maximum(unpack(batch)[-1].sum(), 1.0)  # the whole step's counted tokens
+        if accum == 1:
+            grads, losses = grad_fn(params, batch, denominator)
+            return losses, grads
+        micro = jax.tree.map(lambda x: x.reshape(accum, -1, x.shape[-1]), batch)  # (B, T+1) -> (A, B/A, T+1)
+
+        def body(carry, micro_batch):
+            micro_batch = jax.tree.map(lambda x: constrain(x, ("batch", None)), micro_batch)
+            grads, losses = grad_fn(params, micro_batch, denominator)
+            return jax.tree.map(jnp.add, carry, (losses, grads)), None
+
+        abstract_losses = jax.eval_shape(loss, params, jax.tree.map(lambda x: x[0], micro), denominator)[1]
+        zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_losses),
+                 jax.tree.map(jnp.zeros_like, params))
+        return jax.lax.scan(body, zeros, micro)[0]
+    return loss_and_grads
+
+
+def update_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
+    """(state, losses, grads) -> (state, metrics): applies reduced gradients; params, opt and step
+    advance, other state entries pass through. `losses`: the dict loss_and_grads returns (`loss`
+    and any auxiliary losses), all logged."""
     lr = optim.schedule(cfg)
 
     def update(state, losses, grads):
-        """Applies reduced gradients: params, opt and step advance; other state entries pass through.
-        `losses`: the dict loss_and_grads returns (`loss` and any auxiliary losses), all logged."""
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {**losses, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
         return {**state, "params": params, "opt": opt, "step": state["step"] + 1}, metrics
+    return update
 
-    loss_and_grads = make_loss_and_grads(constrain)
+
+# ----------------------------------------------------------------------------- build
+
+
+def build(cfg: RunConfig, mesh: Mesh) -> Program:
+    """The one compiled train step of `cfg` on `mesh` (trainer and planner both call this):
+
+    1. abstract model: parameter shapes and logical names, nothing allocated;
+    2. shardings: parameters by the rules, optimizer state like its parameters, the batch by rows;
+    3. loss: embed -> blocks (scan or pipeline) -> head, and its gradients over the micro-batches;
+    4. update: the optimizer step (comm.py wraps 3-4 for compressed reduction or local SGD);
+    5. jit: `init` creates the state already sharded, `step` donates it.
+    """
+    run_blocks = blocks_runner(cfg, mesh)  # first: the pipeline's errors name layers, stages, repeats
+    reorder = context_order(cfg, mesh)
+    constrain = sharding.Constrain(cfg.rules, mesh)
+    tx = optim.make(cfg)
+
+    graphdef, params, names = abstract_params(cfg, constrain)                                 # 1
+    shardings = state_shardings(cfg, mesh, tx, params, names)                                 # 2
+    batch = batch_sharding(cfg, mesh)
+    make_loss = functools.partial(make_loss_and_grads, cfg, run_blocks, reorder)              # 3
+    init, update = init_fn(cfg, tx), update_fn(cfg, tx)                                       # 4
+    loss_and_grads = make_loss(constrain)
 
     def train_step(state, batch):
         return update(state, *loss_and_grads(state["params"], batch))
 
+    if comm.enabled(cfg) and cfg.model.n_experts > 1 and mesh.shape["expert"] > 1:
+        raise ConfigError("mesh.expert > 1 does not combine with train.sync=local_sgd or a compressed "
+                          "train.grad_reduce_dtype yet; use mesh.expert=1")
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
-        state_shardings, init, train_step = comm.build(cfg, mesh, comm.Base(
-            state_shardings, init, update, make_loss_and_grads))
-        abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      jax.eval_shape(init, jax.random.key(0)), state_shardings)
+        shardings, init, train_step = comm.build(cfg, mesh, comm.Base(shardings, init, update, make_loss))
+    abstract_state = with_shardings(jax.eval_shape(init, jax.random.key(0)), shardings)
+    loss_sums = loss_sums_fn(cfg, graphdef, run_blocks, reorder)
 
-    return Program(
-        cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=state_shardings,
-        batch_sharding=batch_sharding, abstract_state=abstract_state, loss_sums=loss_sums,
-        init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=state_shardings),
-        step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, replicated), donate_argnums=0),
-        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(param_shardings, batch_sharding),
-                               out_shardings=(replicated, param_shardings)),
+    return Program(                                                                           # 5
+        cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=shardings,
+        batch_sharding=batch, abstract_state=abstract_state, loss_sums=lambda p, b: loss_sums(p, b)[:2],
+        init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=shardings),
+        step=jax.jit(train_step, in_shardings=(shardings, batch),
+                     out_shardings=(shardings, shardings["step"]), donate_argnums=0),
+        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(shardings["params"], batch),
+                               out_shardings=(shardings["step"], shardings["params"])),
     )

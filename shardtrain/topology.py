@@ -18,6 +18,7 @@ import os
 from shardtrain.chips import Chip
 from shardtrain.config import ConfigError
 
+
 def tpu_present() -> bool:
     """Whether this machine has TPU chips (their device files), without initialising a backend."""
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))

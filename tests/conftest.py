@@ -11,6 +11,11 @@ import pytest  # noqa: E402
 
 from shardtrain import config  # noqa: E402
 
+TINY = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=16", "train.global_batch_size=8",
+        "data.source=synthetic"]
+"""Overrides of a model and run small enough for any test (`from conftest import TINY`); a test adds
+or overrides what it needs after them (later overrides win)."""
+
 
 @pytest.fixture
 def cfg_factory(tmp_path):

@@ -13,10 +13,10 @@ import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint._src.path import atomicity
 
+import conftest
 from shardtrain import checkpoint, config, loop, mesh as mesh_lib, metrics, step as step_lib
 
-TINY = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16",
-        "train.global_batch_size=8", "data.source=synthetic", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+TINY = [*conftest.TINY, "model.name=mlp", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
 
 def program(cfg_factory, *overrides):
@@ -41,7 +41,7 @@ def test_checkpoint_of_another_model_lists_mismatching_paths(cfg_factory):
         checkpoint.Checkpointer(other).restore_latest(say=lambda _: None)
     msg = str(e.value)
     assert "checkpoint step 2" in msg and "does not fit" in msg
-    assert "params/blocks/w_in_df: checkpoint (2, 32, 512), this config (3, 64, 512)" in msg
+    assert "params/blocks/w_in_df: checkpoint (2, 32, 64), this config (3, 64, 64)" in msg
     assert "opt/1/0/mu/embedding_vd: checkpoint (256, 32), this config (256, 64)" in msg
     assert "model.d_model: 32 -> 64" in msg and "model.n_layers: 2 -> 3" in msg
 
@@ -96,7 +96,8 @@ def test_no_readable_checkpoint_stops_without_moving_anything(cfg_factory):
     save_steps(prog, [2])
     root = prog.cfg.checkpoint_dir()
     os.remove(f"{root}/2/meta/metadata")
-    with pytest.raises(config.ConfigError, match="(?s)none of the committed checkpoints .* step 2: [^\\n]*/2/meta/metadata is missing.*Nothing was moved"):
+    with pytest.raises(config.ConfigError, match="(?s)none of the committed checkpoints .* step 2: "
+                                                 "[^\\n]*/2/meta/metadata is missing.*Nothing was moved"):
         checkpoint.Checkpointer(prog).restore_latest(say=lambda _: None)
     assert sorted(os.listdir(root)) == ["2"]
 
@@ -146,7 +147,8 @@ def test_failed_async_save_stops_the_training_loop(cfg_factory, monkeypatch, cap
     message = str(e.value)
     assert "\n" not in message and "saving checkpoint step 2" in message and "No space left" in message
     assert "newest committed checkpoint is step none yet" in message and "rerun the same command" in message
-    logged = [json.loads(line)["step"] for line in Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    lines = Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line)["step"] for line in lines if "loss" in line]
     assert max(logged) <= 4  # stopped at the next step boundary or save, not at the end
     console = capfd.readouterr()
     assert "Traceback" not in console.err + console.out and "done: step" not in console.out
@@ -207,7 +209,8 @@ def test_gs_directory_is_passed_to_orbax_untouched(cfg_factory, monkeypatch):
 
 def test_batch_size_change_is_a_config_error(cfg_factory):
     cfg = cfg_factory(*TINY, "train.global_batch_size=16")
-    with pytest.raises(config.ConfigError, match="train.global_batch_size=16, but checkpoint step 3 was written with 8"):
+    with pytest.raises(config.ConfigError,
+                       match="train.global_batch_size=16, but checkpoint step 3 was written with 8"):
         checkpoint.start_step_from({"step": 3, "data_position": 24}, cfg)
     assert checkpoint.start_step_from({"step": 3, "data_position": 48}, cfg) == 3
 
@@ -228,7 +231,8 @@ def test_list_shows_uncommitted_steps_and_the_custom_directory(tmp_path, capsys)
     (ckpts / "4" / "meta").mkdir(parents=True)
     (ckpts / "4" / "commit_success.txt").write_text("ok")
     (ckpts / "4" / "meta" / "metadata").write_text(json.dumps(
-        {"mesh": {"data": 1, "pipeline": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}, "devices": 8, "processes": 2}))
+        {"mesh": {"data": 1, "pipeline": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}, "devices": 8,
+         "processes": 2}))
     (ckpts / "6.orbax-checkpoint-tmp").mkdir()
     (ckpts / "6.orbax-checkpoint-tmp" / "x").write_bytes(b"0" * 500_000)
     assert checkpoint.list_main(str(run)) == 0

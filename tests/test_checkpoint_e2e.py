@@ -16,14 +16,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from conftest import TINY
 from shardtrain import checkpoint
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 30
-BASE = ["meshes/demo.yaml", "model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16",
-        "train.global_batch_size=8", "data.source=synthetic", f"train.steps={STEPS}",
+BASE = ["meshes/demo.yaml", *TINY, "model.name=mlp", f"train.steps={STEPS}",
         f"optimizer.decay_steps={STEPS}", "checkpoint.every_steps=2"]
 
 
@@ -133,7 +133,7 @@ def test_kill9_at_random_moments_then_final_params_equal_uninterrupted(straight,
     plan = ["startup"] * 2 + ["mid-write"] * 4 + ["random"] * 4  # 10 kills, in a random order
     rng.shuffle(plan)
     kills, modes = 0, []
-    for life in range(40):
+    for _ in range(40):
         resume_from = newest_committed(tmp_path)
         p = start(tmp_path, "checkpoint.every_steps=1")
         if kills == len(plan):
@@ -143,10 +143,10 @@ def test_kill9_at_random_moments_then_final_params_equal_uninterrupted(straight,
         mode = plan[kills]
         if mode == "startup":  # during imports, compilation or restore
             time.sleep(rng.uniform(0.0, 4.0))
-        elif wait_for(lambda: (newest_committed(tmp_path) or 0) > (resume_from or 0), p):  # made progress
+        elif wait_for(lambda: (newest_committed(tmp_path) or 0) > (resume_from or 0), p):  # made progress  # noqa: B023
             ckpt_dir = tmp_path / "checkpoints"
             if mode == "mid-write":
-                wait_for(lambda: any(checkpoint.TMP_MARK in n for n in os.listdir(ckpt_dir)), p)
+                wait_for(lambda: any(checkpoint.TMP_MARK in n for n in os.listdir(ckpt_dir)), p)  # noqa: B023
             else:
                 time.sleep(rng.uniform(0.0, 0.3))
         p.kill()

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+import conftest
 from shardtrain import cli
 
-TINY = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=32", "train.global_batch_size=8",
-        "train.compile_cache=false"]
+TINY = [*conftest.TINY, "data.source=text", "data.seq_len=32", "train.compile_cache=false"]
 
 
 def run_cli(capsys, *argv):
@@ -27,9 +27,11 @@ def run_cli(capsys, *argv):
     (["train.steps=ten"], "train.steps: expected int, got 'ten'"),
     (["rules.mlp=fsdp"], "mesh axis 'fsdp' is used twice in one PartitionSpec (by logical axes 'mlp' and 'embed')"),
     (["rules.heads=model"], "rules.heads: unknown mesh axis 'model'"),
-    (["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8"], "parameter blocks/wk_dke (2, 32, 4, 8): dimension 2 ('kv_heads') of size 4 is not divisible by mesh axes tensor = 8"),
+    (["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8"],
+     "parameter blocks/wk_dke (2, 32, 4, 8): dimension 2 ('kv_heads') of size 4 is not divisible by "
+     "mesh axes tensor = 8"),
     (["data.path=/nonexistent/*.txt"], "data.path: no files found at '/nonexistent/*.txt'"),
-    (["model.name=bert"], "model.name: unknown model 'bert'; known: gpt, mlp"),
+    (["model.name=bert"], "model.name: unknown model 'bert'; known: gpt, llama, mlp"),
 ])
 def test_bad_input_exits_2_with_the_field(capsys, tmp_path, overrides, message):
     code, err = run_cli(capsys, "train", "meshes/demo.yaml", *TINY, *overrides, f"run_dir={tmp_path}")
@@ -68,7 +70,8 @@ def test_demo_config_trains_on_text(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "meshes/demo.yaml", "train.profile_steps=[12,10]"], "train.profile_steps: [12, 10] must be [first, last]"),
+    (["train", "meshes/demo.yaml", "train.profile_steps=[12,10]"],
+     "train.profile_steps: [12, 10] must be [first, last]"),
     (["train", "meshes/demo.yaml", "optimizer.learning_rate=-1"], "optimizer.learning_rate: must be > 0"),
     (["train", "{tmp}"], "is a directory, not a YAML file"),
     (["train", "{tmp}/empty.yaml"], "config file '{tmp}/empty.yaml' is empty"),

@@ -40,7 +40,8 @@ def test_dump_round_trips(tmp_path):
     ("model.n_kv_heads=3", "model.n_kv_heads=3 must divide model.n_heads=4"),
     ("train.grad_accum_steps=5", "train.global_batch_size=32 is not divisible by train.grad_accum_steps=5"),
     ("steps", "override 'steps' is not KEY=VALUE"),
-    ("checkpoint.writer_niceness=20", "checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), got 20"),
+    ("checkpoint.writer_niceness=20",
+     "checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), got 20"),
 ])
 def test_bad_input_names_the_field(override, message):
     overrides = [override] if override != "mesh.data=-1" else ["mesh.data=-1", "mesh.fsdp=-1"]
@@ -62,7 +63,8 @@ def test_missing_config_file():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.profile_steps=[12, 10]", "train.profile_steps: [12, 10] must be [first, last] steps with 1 <= first <= last"),
+    ("train.profile_steps=[12, 10]",
+     "train.profile_steps: [12, 10] must be [first, last] steps with 1 <= first <= last"),
     ("train.profile_steps=[0, 2]", "train.profile_steps: [0, 2] must be"),
     ("train.profile_steps=[190, 201]", "last <= train.steps=200"),
     ("optimizer.learning_rate=-1", "optimizer.learning_rate: must be > 0"),

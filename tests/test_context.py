@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.ring_attention import load_balanced_order, ring_attend
+from models import attention
+from models.attention import load_balanced_order
 from shardtrain import config, hlo, mesh as mesh_lib, plan, sharding, step as step_lib
 
 
@@ -20,7 +21,8 @@ def test_load_balanced_order_gives_device_i_chunks_i_and_its_mirror():
     assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
-def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_documents():
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_documents(chunk):
     b, t, h, kh, e = 2, 64, 4, 2, 8
     q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, e)) for i, n in enumerate((h, kh, kh)))
     order = jnp.asarray(load_balanced_order(t, 4))
@@ -32,7 +34,9 @@ def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_do
     def loss(fn, q, k, v):
         o = fn(q, k, v)
         return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape))), o
-    ring = jax.jit(jax.value_and_grad(lambda *a: loss(lambda q, k, v: ring_attend(q, k, v, pos_bt, seg_bt, constrain=c), *a),
+    def run_ring(q, k, v):
+        return attention.ring(q, k, v, pos_bt, seg_bt, constrain=c, chunk=chunk)
+    ring = jax.jit(jax.value_and_grad(lambda *a: loss(run_ring, *a),
                                       argnums=(0, 1, 2), has_aux=True))
     ref = jax.jit(jax.value_and_grad(lambda *a: loss(lambda q, k, v: reference(q, k, v, pos_bt, seg_bt), *a),
                                      argnums=(0, 1, 2), has_aux=True))

@@ -37,7 +37,7 @@ DOCS = ["README.md", "launch/README.md", "bench/README.md"]
 PLACEHOLDERS = {"TPU_NAME": "my-tpu", "ZONE": "us-central2-b", "CONFIG": "meshes/demo.yaml", "N": "2",
                 "ID": "my-project"}
 CLUSTER_TOOLS = ("sbatch", "srun", "kubectl", "gcloud", "docker")
-NOT_RERUN = {"make train", "make test", "make test-fast"}  # CI runs these itself
+NOT_RERUN = {"make train", "make test", "make test-fast", "make lint"}  # CI runs these itself
 FAST_TRAIN = ["train.steps=2", "checkpoint.every_steps=1000", "train.compile_cache=false"]
 
 
@@ -208,7 +208,7 @@ def check_statically(c: Command, tmp_path) -> None:
     n = devices_of(c)
     if args.command == "plan":  # a TPU topology (hardware: or --topology) has its own chip count
         from shardtrain import plan, topology
-        hw = plan.hardware(cfg, args)
+        hw = plan.hardware(cfg, args.chip, args.topology, args.slices)
         n = topology.chip_count(hw.topology, hw.slices) if hw.topology else n
     sizes = mesh_lib.resolve_sizes(cfg.mesh, n)
     axes = config.MESH_AXES

@@ -102,7 +102,8 @@ def test_slurm_requeues_on_exit_75_with_tasks_ending_at_different_times(tmp_path
     (bin_dir / "srun").write_text("""#!/usr/bin/env bash
 # fake srun --kill-on-bad-exit=1 --label CMD...: task i prints $TASK_OUT_i (labelled "i: "), sleeps
 # $TASK_SLEEP_i s, exits $TASK_CODE_i
-[ "$1" = --kill-on-bad-exit=1 ] && [ "$2" = --label ] || { echo "srun without --kill-on-bad-exit=1 --label: $*" >&2; exit 9; }
+[ "$1" = --kill-on-bad-exit=1 ] && [ "$2" = --label ] ||
+  { echo "srun without --kill-on-bad-exit=1 --label: $*" >&2; exit 9; }
 echo "srun $*" >> "$LOG"
 pids=()
 for i in 0 1 2; do

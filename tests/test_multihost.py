@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+import conftest
+
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16", "train.global_batch_size=8",
-        "data.source=synthetic", "optimizer.warmup_steps=2", "optimizer.decay_steps=6", "checkpoint.every_steps=3"]
+TINY = [*conftest.TINY, "model.name=mlp", "optimizer.warmup_steps=2", "optimizer.decay_steps=6",
+        "checkpoint.every_steps=3"]
 PLAIN = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 HYBRID = ["mesh.data=1", "mesh.dcn.data=2", "mesh.fsdp=2", "mesh.tensor=2"]  # data across the 2 processes
 LONG = ["train.steps=100000", "checkpoint.every_steps=100000"]
@@ -132,8 +134,11 @@ def test_sigterm_to_one_process_preempts_both_and_the_rerun_resumes(tmp_path):
     assert launcher.wait(timeout=120) == 75
     out = log.read_text()
     [saved] = checkpoint_steps(run_dir)
+    # what JAX and Orbax log through absl goes to each process's log file in run_dir, not the console
+    library_log = "".join(f.read_text() for f in sorted(run_dir.glob("shardtrain*.log")))
     for i in range(2):  # each process reached the same sync point, saved that step and exited 75
-        assert re.search(rf"\[process={i}\]\[thread=\w+\] Reached preemption sync point, step={saved}\b", out)
+        assert re.search(rf"\[process={i}\]\[thread=\w+\] Reached preemption sync point, step={saved}\b",
+                         library_log)
         assert re.search(rf"local.sh: process {i} \(pid \d+\) exited with 75 \(preempted", out)
     assert "run preempted: every process saved the same step" in out
     r = train(2, run_dir, *PLAIN, f"train.steps={saved + 2}")

@@ -1,19 +1,16 @@
 """Pipeline parallelism: pipelined loss and gradients equal the plain model's, errors, HLO, training."""
 
-import math
 import re
 
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from shardtrain import config, loop, mesh as mesh_lib, pipeline, step as step_lib
+from conftest import TINY
+from shardtrain import blocks, config, loop, mesh as mesh_lib, pipeline, sharding, step as step_lib
 from shardtrain.config import ConfigError
 
-
-SMALL = ["model.d_model=32", "model.n_layers=8", "model.d_ff=64", "model.n_heads=2", "model.n_kv_heads=2",
-         "data.seq_len=16", "train.global_batch_size=32", "data.source=synthetic"]
+SMALL = [*TINY, "model.n_layers=8", "model.n_heads=2", "model.n_kv_heads=2", "train.global_batch_size=32"]
 
 
 def setup(model, *overrides, n_devices=8):
@@ -23,17 +20,14 @@ def setup(model, *overrides, n_devices=8):
 
 
 def loss_and_grads(prog, params, tokens_bt, runners):
-    """[(loss, grads)] of the train step's loss (embed -> blocks runner -> head) for each blocks
-    runner, all in one jitted function on prog's mesh (one compile for several schedules)."""
-    def loss_fn(params, tokens_bt, run_blocks):
-        model = nnx.merge(prog.graphdef, params)
-        x_btd = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
-        return step_lib.cross_entropy(model.head(x_btd), tokens_bt[:, 1:])
-
+    """[(loss, grads)] of the train step's loss (`step.loss_fn`) with each blocks runner, all in one
+    jitted function on prog's mesh (one compile for several schedules)."""
+    losses = [step_lib.loss_fn(prog.cfg, prog.graphdef, run_blocks) for run_blocks in runners]
     params = jax.device_put(params, prog.state_shardings["params"])
     tokens_bt = jax.device_put(tokens_bt, prog.batch_sharding)
     with jax.set_mesh(prog.mesh):
-        return jax.jit(lambda p, t: [jax.value_and_grad(loss_fn)(p, t, r) for r in runners])(params, tokens_bt)
+        objectives = [lambda p, t, loss=loss: loss(p, t)[0] for loss in losses]  # (objective, losses) -> objective
+        return jax.jit(lambda p, t: [jax.value_and_grad(f)(p, t) for f in objectives])(params, tokens_bt)
 
 
 def make_reference(model):
@@ -41,7 +35,7 @@ def make_reference(model):
     cfg, _, prog = setup(model, n_devices=1)
     params = jax.device_get(prog.init(0)["params"])
     tokens_bt = np.asarray(jax.random.randint(jax.random.key(1), (32, 17), 0, cfg.model.vocab_size))
-    [(loss, grads)] = loss_and_grads(prog, params, tokens_bt, [step_lib.scan_runner(cfg)])
+    [(loss, grads)] = loss_and_grads(prog, params, tokens_bt, [blocks.scan_runner(cfg)])
     return params, tokens_bt, float(loss), jax.device_get(grads)
 
 
@@ -130,8 +124,7 @@ def test_hlo_permutes_activations_and_keeps_each_stage_share():
     blocks = prog.abstract_state["params"]["blocks"]
     w_in = blocks["w_in_df"]
     assert w_in.sharding.shard_shape(w_in.shape) == (4, 16, 32)  # 8 layers / 2 stages, fsdp, tensor
-    shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                      for x in jax.tree.leaves([prog.abstract_state, prog.abstract_batch()]))
+    shard_bytes = sharding.shard_bytes([prog.abstract_state, prog.abstract_batch()])
     assert compiled.memory_analysis().argument_size_in_bytes == shard_bytes
 
 

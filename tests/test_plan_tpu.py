@@ -2,7 +2,6 @@
 per-chip argument bytes against the analytical shard bytes, the TPU's collectives, the config's
 `hardware` section, and the bound on MFU."""
 
-import argparse
 import functools
 import glob
 import json
@@ -13,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from shardtrain import chips, config, mesh as mesh_lib, plan, step, topology
+from shardtrain import chips, config, mesh as mesh_lib, plan, sharding, step, topology
 
 # An MLP whose sharded dimensions are 4 x 128 (TPU arrays are tiled by 8 x 128: with smaller
 # dimensions the compiler pads them and the bytes are the padded ones), one layer, rows of 128 tokens.
@@ -30,16 +29,15 @@ def tpu_cfg(mesh_name, *extra):
     return config.load(None, [*TPU_SMALL, *HARDWARE, f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}", *extra])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def planned(mesh_name: str) -> dict:
     cfg = tpu_cfg(mesh_name)
     return plan.plan_one(cfg, list(topology.devices(chips.CHIPS["v5e"], "2x2")), chips.CHIPS["v5e"])
 
 
 def test_config_hardware_plans_on_the_tpu_compiler_without_flags(capsys):
-    args = argparse.Namespace(devices=None, chip=None, topology=None, slices=None, json=True, search=False,
-                              write=None, memory_limit=None)
-    assert plan.main(tpu_cfg("fsdp"), args) == 0
+    cfg = tpu_cfg("fsdp")
+    assert plan.main(cfg, *plan.target(cfg, 8), as_json=True) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["compiler"] == "tpu" and r["chip"] == "v5e" and r["devices"] == 4
     assert r["estimate"]["chip"] == "v5e" and r["memory_limit_bytes"] == 16 * 2 ** 30
@@ -70,6 +68,24 @@ def test_tpu_fsdp_gathers_weights_and_reduce_scatters_gradients():
     assert c.get("all-reduce", {"bytes": 0})["bytes"] <= 64  # only the loss and metric scalars
     d = planned("data")["collectives"]
     assert set(d) == {"all-reduce"} and PARAM_BYTES <= d["all-reduce"]["bytes"] <= PARAM_BYTES + 64
+
+
+def test_tpu_plan_bypasses_the_persistent_compilation_cache_a_run_switched_on(tmp_path, monkeypatch):
+    """A topology's compile-only client cannot read cache entries back: planning twice in a process
+    whose compilation cache is on (as `train` turns it on) must not try to."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from shardtrain import cli
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = tpu_cfg("fsdp")
+    cli.enable_compile_cache(cfg)
+    try:
+        devices = list(topology.devices(chips.CHIPS["v5e"], "2x2"))
+        first, again = (plan.plan_one(cfg, devices, chips.CHIPS["v5e"]) for _ in range(2))
+        assert first["memory_per_device_bytes"] == again["memory_per_device_bytes"]
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
 
 
 def test_tpu_estimate_is_within_the_chip():
@@ -151,7 +167,7 @@ def test_every_shipped_tpu_config_fits_its_topology(path):
     r = plan.plan_one(short, devices, chip)
     assert r["compiler"] == "tpu" and r["chip"] == hw.chip
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    state = {c.model.n_layers: plan.shard_bytes(step.build(c, mesh).abstract_state) for c in (cfg, short)}
+    state = {c.model.n_layers: sharding.shard_bytes(step.build(c, mesh).abstract_state) for c in (cfg, short)}
     rows = cfg.train.global_batch_size // cfg.train.grad_accum_steps // (mesh.shape["data"] * mesh.shape["fsdp"])
     saved = (cfg.model.n_layers - 2) * rows * cfg.data.seq_len * cfg.model.d_model * 2
     total = r["memory_per_device_bytes"]["total"] + state[cfg.model.n_layers] - state[2] + saved

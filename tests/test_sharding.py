@@ -17,7 +17,8 @@ CONFIGS = sorted(glob.glob("meshes/*.yaml"))
 
 
 def abstract_mesh(sizes: dict) -> AbstractMesh:
-    return AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def layout_text(cfg: config.RunConfig) -> str:
@@ -27,7 +28,8 @@ def layout_text(cfg: config.RunConfig) -> str:
     params = nnx.to_pure_dict(state)
     specs = sharding.param_specs(params, sharding.logical_names(state), cfg.rules, mesh)
     rows = [f"{sharding.path_str(path):32s} {str(x.shape):22s} {spec}" for (path, x), spec in
-            zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)))]
+            zip(jax.tree_util.tree_leaves_with_path(params),
+                jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)))]
     return config.dump(cfg) + "\n# mesh " + str(dict(mesh.shape)) + "\n" + "\n".join(rows) + "\n"
 
 
@@ -79,7 +81,8 @@ def test_indivisible_parameter_names_path_dimension_and_axes(cfg_factory):
 
 def test_indivisible_batch(cfg_factory):
     cfg = cfg_factory("mesh.data=8", "train.global_batch_size=12")
-    with pytest.raises(ConfigError, match=r"batch .*dimension 0 \('batch'\) of size 12 is not divisible by mesh axes data = 8"):
+    with pytest.raises(ConfigError,
+                       match=r"batch .*dimension 0 \('batch'\) of size 12 is not divisible by mesh axes data = 8"):
         step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
 
 

@@ -1,7 +1,6 @@
 """A sharded train step equals the single-device step; the compiled program holds what each
 strategy promises (per-device bytes, collectives)."""
 
-import collections
 import math
 import re
 
@@ -9,11 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from shardtrain import config, mesh as mesh_lib, step
-from shardtrain.config import MeshConfig
+from conftest import TINY
+from shardtrain import config, hlo, mesh as mesh_lib, sharding, step
+from shardtrain.sharding import shard_bytes
 
-SMALL = ["model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=128", "model.n_layers=2",
-         "data.seq_len=16", "train.global_batch_size=16", "data.source=synthetic"]
+SMALL = [*TINY, "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=128",
+         "train.global_batch_size=16"]
 
 
 def one_step(cfg, devices=None):
@@ -60,6 +60,18 @@ def test_remat_policies_keep_the_numbers(reference, policy):
     assert rel_diff(params, reference["gpt"][1]) <= 1e-5
 
 
+def test_activation_sharding_is_a_rules_change(reference):
+    """The residual stream's model dimension is a logical name: sharding it is one rules row."""
+    overrides = [*SMALL, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    clash = config.load(None, [*overrides, "rules.activation_embed=data"])  # data already shards the batch
+    prog = step.build(clash, mesh_lib.make_mesh(clash.mesh))
+    with pytest.raises(config.ConfigError, match="activation .*'activation_embed'"):
+        prog.step.trace(prog.abstract_state, prog.abstract_batch())
+    loss, params = one_step(config.load(None, [*overrides, "rules.activation_embed=tensor"]))
+    assert abs(loss - reference["gpt"][0]) <= 1e-5 * reference["gpt"][0]
+    assert rel_diff(params, reference["gpt"][1]) <= 1e-5
+
+
 def test_bf16_compute_stays_close(reference):
     loss, _ = one_step(config.load(None, [*SMALL, "train.compute_dtype=bfloat16", "mesh.data=8"]))
     assert abs(loss - reference["gpt"][0]) <= 2e-2 * reference["gpt"][0]
@@ -76,16 +88,11 @@ def test_optimizer_state_is_sharded_like_params():
     assert state["opt"][1][0].mu["blocks"]["w_up_df"].sharding.spec == params["blocks"]["w_up_df"].spec
 
 
-def shard_bytes(abstract_tree) -> int:
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract_tree))
-
-
 def analytic_bytes(prog) -> int:
     """Parameters + optimizer state per device: each array's bytes / the product of its spec's axes."""
     total = 0
     for x in jax.tree.leaves(prog.abstract_state):
-        ways = math.prod(prog.mesh.shape[a] for entry in x.sharding.spec if entry
-                         for a in ((entry,) if isinstance(entry, str) else entry))
+        ways = math.prod(sharding.axes_size(prog.mesh, entry) for entry in x.sharding.spec)
         assert math.prod(x.shape) % ways == 0
         total += math.prod(x.shape) * x.dtype.itemsize // ways
     return total
@@ -106,20 +113,31 @@ def test_compiled_argument_bytes_are_the_shards(data, fsdp, tensor):
         assert shard_bytes(prog.abstract_state["params"]) == (params - norms) // 8 + norms
 
 
-def collectives(cfg_overrides):
-    cfg = config.load(None, [*SMALL, *cfg_overrides])
+def compiled_text(*overrides):
+    cfg = config.load(None, [*SMALL, *overrides])
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-    ops = re.findall(r"= (?:\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(",
-                     prog.lower().compile().as_text())
-    return collections.Counter(ops)
+    return prog, prog.lower().compile().as_text()
 
 
-def test_data_parallel_all_reduces_gradients_and_gathers_nothing():
-    found = collectives(["mesh.data=8"])
-    assert "all-gather" not in found and "collective-permute" not in found
-    assert found["all-reduce"] >= 1
+def test_data_parallel_all_reduces_every_gradient_once_and_gathers_nothing():
+    prog, text = compiled_text("mesh.data=8")
+    found = hlo.collectives(text, dict(prog.mesh.shape))
+    assert {(c.kind, c.axes) for c in found} == {("all-reduce", ("data",))}
+    params = sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(prog.abstract_state["params"]))
+    assert params <= sum(c.bytes * c.count for c in found) <= params + 16  # + the loss and metric scalars
 
 
-def test_fsdp_gathers_weights():
-    found = collectives(["mesh.fsdp=8"])
-    assert found["all-gather"] >= 8  # each layer's weight matrices, forward and backward
+def test_fsdp_gathers_weights_not_activations():
+    # layers unrolled: the text then holds every layer's gathers (a rolled scan's body holds one layer's)
+    prog, text = compiled_text("mesh.fsdp=8", "train.scan_unroll=2")
+    params = prog.abstract_state["params"]
+    # one layer's share of each weight (its full size for the embedding tables)
+    weights = {math.prod(x.shape[1:]) if "blocks" in jax.tree_util.keystr(p) else math.prod(x.shape)
+               for p, x in jax.tree_util.tree_leaves_with_path(params) if "norm" not in jax.tree_util.keystr(p)}
+    gathered = [[int(d) for d in dims.split(",")]
+                for dims in re.findall(r"= f32\[([\d,]+)\]\S* all-gather(?:-start)?\(", text)]
+    # 2-D matrices of a weight's size (a (B, T, D) activation would be 3-D)
+    assert gathered and all(len(g) == 2 and math.prod(g) in weights for g in gathered), gathered
+    sharded = sum(math.prod(x.shape) * 4 for p, x in jax.tree_util.tree_leaves_with_path(params)
+                  if "norm" not in jax.tree_util.keystr(p))
+    assert sharded <= 4 * sum(map(math.prod, gathered)) <= 2 * sharded  # each weight, forward (and backward)

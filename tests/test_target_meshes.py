@@ -30,7 +30,7 @@ def target_program(name, *overrides):
 def test_target_config_shards_its_model(name):
     devices, per_host, granules = TARGETS[name]
     cfg, prog = target_program(name)
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
+    n_params = prog.param_count()
     assert 3e8 < n_params < 5e9, f"{name}: {n_params / 1e9:.2f}B parameters is not a realistic size"
     assert math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES) == granules
     assert per_host % cfg.mesh.tensor == 0, "tensor parallelism must stay within a host"
@@ -45,9 +45,13 @@ def test_target_config_shards_its_model(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TARGETS)
 def test_target_step_traces_with_activation_constraints(name):
-    """Tracing runs the model, so every activation constraint's divisibility is checked too."""
+    """Tracing runs the model, so every activation constraint's divisibility is checked too; the
+    step returns a state of the shapes it takes, and scalar metrics."""
     _, prog = target_program(name)
-    prog.step.trace(prog.abstract_state, prog.abstract_batch())
+    state, metrics = prog.step.trace(prog.abstract_state, prog.abstract_batch()).out_info
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+    assert shapes(state) == shapes(prog.abstract_state)
+    assert {k: v.shape for k, v in metrics.items()} == {"loss": (), "grad_norm": (), "lr": ()}
 
 
 @pytest.mark.parametrize("override,field", [("model.n_kv_heads=2", "kv_heads"),

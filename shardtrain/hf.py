@@ -1,0 +1,327 @@
+"""Hugging Face checkpoints <-> our parameter tree: configs, names, layouts, tensor by tensor.
+
+Supported: LlamaForCausalLM (Llama 2/3/3.1/3.2), MistralForCausalLM, Qwen2ForCausalLM (Qwen2 /
+Qwen2.5) and Qwen3ForCausalLM, all as configs of the one decoder in models/gpt.py.
+
+Layouts (ours <- HF, per layer i; our block parameters are stacked on a leading `layers` axis):
+  embedding_vd (V, D)     <- model.embed_tokens.weight (V, D)
+  blocks/wq_dhe (D, H, E) <- model.layers.i.self_attn.q_proj.weight (H*E, D), transposed
+  blocks/wk_dke, wv_dke   <- k_proj / v_proj.weight (K*E, D), transposed
+  blocks/wo_hed (H, E, D) <- o_proj.weight (D, H*E), transposed
+  blocks/bq_he, bk_ke, bv_ke <- q/k/v_proj.bias (Qwen2);  blocks/q_norm, k_norm <- q/k_norm.weight (Qwen3)
+  blocks/w_gate_df, w_up_df (D, F) <- gate_proj / up_proj.weight (F, D);  w_down_fd <- down_proj (D, F)
+  blocks/attn_norm, mlp_norm <- input_layernorm, post_attention_layernorm;  final_norm <- model.norm
+  unembed_dv (D, V)       <- lm_head.weight (V, D), absent when the embeddings are tied
+The rotary layout needs no permutation: models/gpt.py rotates halves exactly as HF does.
+
+Reading memory-maps the safetensors files and fills each device's shard of a parameter from
+the one HF tensor it needs (jax.make_array_from_callback), so host memory stays near one
+tensor; writing fetches one layer's tensor at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from shardtrain import safetensors_io
+from shardtrain.config import ConfigError, ModelConfig, RopeScalingConfig
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
+INDEX = "model.safetensors.index.json"
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def read_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{hf_dir}: no config.json; expected a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def safetensors_files(hf_dir: str | Path) -> list[Path]:
+    """The weight files, from the index when there is one; a missing shard is an error here."""
+    d = Path(hf_dir)
+    if (d / INDEX).is_file():
+        names = sorted(set(json.loads((d / INDEX).read_text())["weight_map"].values()))
+        missing = [n for n in names if not (d / n).is_file()]
+        if missing:
+            raise ConfigError(f"{d / INDEX} lists {len(names)} shards but {', '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} missing from {d}")
+        return [d / n for n in names]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{d}: no *.safetensors weights (only safetensors checkpoints are read; "
+                          "convert .bin files with transformers' save_pretrained(safe_serialization=True))")
+    return files
+
+
+def architecture(hf: dict, where: str) -> str:
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED:
+        raise ConfigError(f"{where}: architecture {arch or hf.get('model_type')!r} is not supported; "
+                          f"supported: {', '.join(SUPPORTED)}")
+    return arch
+
+
+def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
+    """Our model config for an HF config.json (either rope form: top-level rope_theta /
+    rope_scaling, or transformers 5's rope_parameters)."""
+    arch = architecture(hf, where)
+    for key, ok in [("hidden_act", "silu"), ("mlp_bias", False), ("partial_rotary_factor", 1.0)]:
+        if hf.get(key, ok) != ok:
+            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r})")
+    if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":
+        raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ConfigError(f"{where}: rope type {kind!r} is not supported; supported: default, linear, llama3")
+    rope_scaling = None
+    if kind != "default":
+        fields = {f.name for f in dataclasses.fields(RopeScalingConfig)} - {"type"}
+        rope_scaling = RopeScalingConfig(type=kind, **{k: v for k, v in scaling.items() if k in fields})
+    head_dim = hf.get("head_dim") or d // h
+    return ModelConfig(
+        name="gpt", vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=h,
+        n_kv_heads=hf.get("num_key_value_heads") or h, d_ff=hf["intermediate_size"], rope_theta=float(theta),
+        rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        head_dim=None if head_dim * h == d else head_dim,
+        qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM")
+
+
+def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
+    """config.json for our model config: `base` (the imported model's) updated, or a fresh one."""
+    arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+    out = dict(base) if base else {"architectures": [arch], "model_type": SUPPORTED[arch], "hidden_act": "silu",
+                                   "max_position_embeddings": 4096, "attention_bias": False}
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling is not None:
+        s = m.rope_scaling
+        rope = {**dataclasses.asdict(s), "rope_type": s.type, "rope_theta": m.rope_theta}
+        rope.pop("type")
+        if s.type == "linear":
+            rope = {"rope_type": "linear", "factor": s.factor, "rope_theta": m.rope_theta}
+    out.update(vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
+               num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, intermediate_size=m.d_ff,
+               head_dim=m.head_dim or m.d_model // m.n_heads, rms_norm_eps=m.rms_norm_eps,
+               tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
+    out.pop("torch_dtype", None)
+    if m.rope_scaling is not None:
+        out["rope_scaling"] = rope
+    else:
+        out.pop("rope_scaling", None)
+    return out
+
+
+# ----------------------------------------------------------------------------- name and layout map
+
+
+@dataclass(frozen=True)
+class Entry:
+    ours: tuple[str, ...]
+    """Path in our parameter tree."""
+    hf: str
+    """HF tensor name; `{i}` is the layer for stacked block parameters."""
+    hf_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.hf
+
+
+def tensor_map(m: ModelConfig) -> list[Entry]:
+    d, h, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
+    e = m.head_dim or d // h
+
+    def same(a):
+        return a
+
+    def tr(a):
+        return a.T
+
+    def proj(n):  # HF (n*E, D) <-> ours (D, n, E)
+        return (lambda a: a.T.reshape(d, n, e)), (lambda a: a.reshape(d, n * e).T)
+
+    def bias(n):
+        return (lambda a: a.reshape(n, e)), (lambda a: a.reshape(n * e))
+    layer, attn, mlp = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    entries = [
+        Entry(("embedding_vd",), "model.embed_tokens.weight", (v, d), same, same),
+        Entry(("blocks", "attn_norm"), layer + "input_layernorm.weight", (d,), same, same),
+        Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * e, d), *proj(h)),
+        Entry(("blocks", "wk_dke"), attn + "k_proj.weight", (k * e, d), *proj(k)),
+        Entry(("blocks", "wv_dke"), attn + "v_proj.weight", (k * e, d), *proj(k)),
+    ]
+    if m.qkv_bias:
+        entries += [Entry(("blocks", "bq_he"), attn + "q_proj.bias", (h * e,), *bias(h)),
+                    Entry(("blocks", "bk_ke"), attn + "k_proj.bias", (k * e,), *bias(k)),
+                    Entry(("blocks", "bv_ke"), attn + "v_proj.bias", (k * e,), *bias(k))]
+    if m.qk_norm:
+        entries += [Entry(("blocks", "q_norm"), attn + "q_norm.weight", (e,), same, same),
+                    Entry(("blocks", "k_norm"), attn + "k_norm.weight", (e,), same, same)]
+    entries += [
+        Entry(("blocks", "wo_hed"), attn + "o_proj.weight", (d, h * e),
+              lambda a: a.T.reshape(h, e, d), lambda a: a.reshape(h * e, d).T),
+        Entry(("blocks", "mlp_norm"), layer + "post_attention_layernorm.weight", (d,), same, same),
+        Entry(("blocks", "w_gate_df"), mlp + "gate_proj.weight", (f, d), tr, tr),
+        Entry(("blocks", "w_up_df"), mlp + "up_proj.weight", (f, d), tr, tr),
+        Entry(("blocks", "w_down_fd"), mlp + "down_proj.weight", (d, f), tr, tr),
+        Entry(("final_norm",), "model.norm.weight", (d,), same, same),
+    ]
+    if not m.tie_embeddings:
+        entries.append(Entry(("unembed_dv",), "lm_head.weight", (v, d), tr, tr))
+    return entries
+
+
+def names_of(entry: Entry, n_layers: int) -> list[str]:
+    return [entry.hf.format(i=i) for i in range(n_layers)] if entry.layered else [entry.hf]
+
+
+def tree_get(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def tree_set(tree: dict, path, value) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+# ----------------------------------------------------------------------------- import
+
+
+class Source:
+    """An HF model directory, checked before any weight is read: its architecture is supported,
+    no shard is missing, and every tensor our model needs is there with the expected shape."""
+
+    def __init__(self, hf_dir: str | Path, m: ModelConfig | None = None):
+        self.dir = Path(hf_dir)
+        self.hf = read_config(self.dir)
+        self.model = m or model_config(self.hf, str(self.dir / "config.json"))
+        self.reader = safetensors_io.Reader(safetensors_files(self.dir))
+        self.entries = tensor_map(self.model)
+        present = set(self.reader.names())
+        if self.model.tie_embeddings and "lm_head.weight" in present and m is None:
+            # tie_word_embeddings absent from config.json but an lm_head is stored: it is untied
+            self.model = dataclasses.replace(self.model, tie_embeddings=False)
+            self.entries = tensor_map(self.model)
+        bad, config = [], "config.json" if m is None else "the model config"
+        for entry in self.entries:
+            for name in names_of(entry, self.model.n_layers):
+                if name not in present:
+                    bad.append(f"{name}: missing from the weights, expected shape {entry.hf_shape}")
+                elif self.reader.shape(name) != entry.hf_shape:
+                    bad.append(f"{name}: weights {self.reader.shape(name)}, {config} implies {entry.hf_shape}")
+        if bad:
+            raise ConfigError(f"{self.dir}: {config} disagrees with the weights ({len(bad)} tensors): "
+                              + "; ".join(bad[:5]) + ("; ..." if len(bad) > 5 else ""))
+
+    def dtype_name(self) -> str:
+        return str(self.reader.dtype(self.entries[0].hf))
+
+    def params(self, abstract: dict) -> dict:
+        """Our parameter tree as jax arrays with the shapes, dtypes and shardings of `abstract`
+        (ShapeDtypeStructs), each shard filled straight from the memory-mapped file (host
+        memory: about one HF tensor)."""
+        out: dict = {}
+        for entry in self.entries:
+            a = tree_get(abstract, entry.ours)
+            tree_set(out, entry.ours, jax.make_array_from_callback(
+                a.shape, a.sharding, self._filler(entry, a.shape, a.dtype)))
+        return out
+
+    def _filler(self, entry: Entry, shape, dtype):
+        last: dict = {}
+
+        def ours(i):  # one HF tensor in our layout, cached until the next one is asked for
+            if i not in last:
+                last.clear()
+                last[i] = entry.to_ours(self.reader.get(entry.hf.format(i=i)))
+            return last[i]
+
+        def fill(index):
+            if entry.layered:
+                return np.stack([ours(i)[index[1:]] for i in range(shape[0])[index[0]]]).astype(dtype)
+            return np.asarray(ours(None)[index], dtype=dtype)
+        return fill
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Tokenizer and generation config files, when present."""
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | None = None,
+           dtype: str = "float32", max_shard_bytes: int = 5 * 2 ** 30, side_files: Path | None = None) -> list[Path]:
+    """Writes `params` (our tree, jax or numpy arrays) as an HF model directory: config.json,
+    safetensors shards (with an index when there are several), tokenizer files. One layer's
+    tensor is fetched from the devices at a time. Returns the safetensors files written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    np_dtype = np.dtype(safetensors_io.DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
+    specs, fetch = [], {}
+    for entry in tensor_map(m):
+        array = tree_get(params, entry.ours)
+        for i, name in enumerate(names_of(entry, m.n_layers)):
+            specs.append((name, entry.hf_shape, np_dtype))
+            fetch[name] = (entry, array, i if entry.layered else None)
+
+    def produce(name):
+        entry, array, i = fetch[name]
+        host = np.asarray(jax.device_get(array if i is None else array[i]))
+        return entry.to_hf(host.astype(np.float32)).astype(np_dtype)
+
+    shards, size = [[]], 0
+    for spec in specs:
+        nbytes = int(np.prod(spec[1])) * np_dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    files = [out / ("model.safetensors" if len(shards) == 1 else f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors")
+             for j in range(len(shards))]
+    for path, shard in zip(files, shards):
+        safetensors_io.write(path, shard, produce, metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(int(np.prod(s[1])) * np_dtype.itemsize for s in specs)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {s[0]: f.name for f, shard in zip(files, shards) for s in shard}}
+        (out / INDEX).write_text(json.dumps(index, indent=2))
+    elif (out / INDEX).exists():
+        (out / INDEX).unlink()
+    if side_files is not None:
+        copy_side_files(side_files, out)
+    (out / "config.json").write_text(json.dumps(hf_config(m, base, dtype), indent=2) + "\n")
+    return files

@@ -1,0 +1,270 @@
+"""Weights from elsewhere: what `checkpoint.init_from`, `import-hf`, `export-hf` and `generate`
+accept, and loading its parameters (only the parameters) into a program's shardings.
+
+A source is one of
+- a Hugging Face model directory (config.json + *.safetensors): read by shardtrain/hf.py;
+- a directory written by `shardtrain import-hf`, or a run directory: its newest committed
+  checkpoint under checkpoints/ (or the run's checkpoint.directory);
+- one checkpoint step directory (`.../checkpoints/N`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+import yaml
+
+from shardtrain import checkpoint, config as config_lib, hf
+
+HF_CONFIG = "hf_config.json"
+"""The imported model's original config.json, kept beside the checkpoint for export."""
+
+
+@dataclasses.dataclass
+class Source:
+    path: Path
+    model: config_lib.ModelConfig
+    config: dict
+    """The run config (as a dict) the weights were trained or imported with ({} for an HF dir)."""
+    step_dir: Path | None = None
+    """The Orbax step directory; None for an HF directory."""
+    hf_dir: Path | None = None
+    files_dir: Path | None = None
+    """Where the tokenizer and the original HF config live (None: unknown)."""
+
+    def base_hf_config(self) -> dict | None:
+        d = self.files_dir
+        for name in (HF_CONFIG, "config.json"):
+            if d is not None and (d / name).is_file():
+                return json.loads((d / name).read_text())
+        return None
+
+    def params(self, abstract_params: dict, model: config_lib.ModelConfig | None = None) -> dict:
+        """The parameters, restored straight into the shapes and shardings of `abstract_params`
+        (of `model`, by default the source's own); ConfigError naming the tensors that differ."""
+        if self.hf_dir is not None:
+            return hf.Source(self.hf_dir, model or self.model).params(abstract_params)
+        return restore_params(self.step_dir, abstract_params)
+
+
+def model_from_dict(d: dict) -> config_lib.ModelConfig:
+    return config_lib.from_dict(d, config_lib.ModelConfig)
+
+
+def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
+    """Resolves a weights source; ConfigError (naming `what`) if there is none."""
+    p = Path(path)
+    if not p.exists():
+        raise config_lib.ConfigError(f"{what}: '{path}' does not exist")
+    if hf.is_hf_dir(p):
+        src = hf.Source(p)  # checks architecture, shards and shapes before any work
+        return Source(p, src.model, {}, hf_dir=p, files_dir=p)
+    if (p / "state").is_dir():
+        step_dir = p
+    else:
+        ckpt_dir = Path(checkpoint.checkpoint_dir_of(str(p)))
+        committed = [s for s in checkpoint.scan(str(ckpt_dir)) if s.state == "committed"]
+        if not committed:
+            raise config_lib.ConfigError(f"{what}: '{path}' holds no committed checkpoint and no Hugging Face "
+                                         "model (config.json + *.safetensors)")
+        step_dir = Path(str(committed[-1].path))
+    meta = checkpoint.read_meta(step_dir)
+    if not meta or "config" not in meta:
+        raise config_lib.ConfigError(f"{what}: {step_dir} has no readable meta/metadata "
+                                     "(is it a shardtrain checkpoint?)")
+    cfg = meta["config"]
+    run_dir = step_dir.parent.parent
+    files_dir = None
+    for d in (run_dir, Path(cfg.get("checkpoint", {}).get("init_from") or run_dir)):
+        if d.is_dir() and any((d / n).is_file() for n in (*hf.TOKENIZER_FILES, HF_CONFIG, "config.json")):
+            files_dir = d
+            break
+    return Source(p, model_from_dict(cfg["model"]), cfg, step_dir=step_dir, files_dir=files_dir)
+
+
+def restore_params(step_dir: Path, abstract_params: dict) -> dict:
+    """Only `params` of a checkpoint step (the optimizer state, if any, is not read)."""
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    saved = ckptr.metadata(step_dir / "state")
+    saved = getattr(saved, "item_metadata", saved)
+    saved = getattr(saved, "tree", saved)
+    bad = checkpoint.mismatches(checkpoint.leaf_shapes(saved.get("params", {})),
+                                checkpoint.leaf_shapes(abstract_params))
+    if bad:
+        raise config_lib.ConfigError(f"{step_dir}: the checkpoint's parameters do not fit this model "
+                                     f"({len(bad)} paths): " + "; ".join(bad[:8]))
+    item = {"params": abstract_params}
+    restored = ckptr.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
+        item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+    ckptr.close()
+    return restored["params"]
+
+
+def is_adapter(path) -> bool:
+    return "_lora_" in "/".join(map(str, path))
+
+
+def split_adapters(tree: dict) -> tuple[dict, dict]:
+    """(everything but the LoRA adapters, the adapters) of a parameter tree."""
+    def pick(node, keep, path=()):
+        if isinstance(node, dict):
+            out = {k: pick(v, keep, (*path, k)) for k, v in node.items()}
+            return {k: v for k, v in out.items() if v is not None and not (isinstance(v, dict) and not v)}
+        return node if is_adapter(path) == keep else None
+    return pick(tree, False), pick(tree, True)
+
+
+def merge_adapters(params: dict, model: config_lib.ModelConfig) -> dict:
+    """The parameters with each LoRA adapter folded into its weight: W + (alpha/r) A @ B."""
+    targets = model.lora.target_params()
+    if not targets:
+        return params
+    base, _ = split_adapters(params)
+    scale = model.lora.alpha / model.lora.rank
+
+    @jax.jit
+    def merge(blocks):
+        out = {k: v for k, v in blocks.items() if not is_adapter((k,))}
+        for name in targets:
+            a, b = blocks[name + "_lora_a"], blocks[name + "_lora_b"]  # (L, in..., r), (L, r, out...)
+            delta = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))(a, b)
+            out[name] = (out[name] + scale * delta).astype(out[name].dtype)
+        return out
+    return {**base, "blocks": merge(params["blocks"])}
+
+
+def initial_state(prog, source: Source) -> dict:
+    """A fresh train state (step 0, new optimizer state) around the source's parameters; LoRA
+    adapters (model.lora.rank > 0) start fresh (B = 0: the model starts as the source)."""
+    from shardtrain import comm, optim
+    if comm.enabled(prog.cfg):
+        raise config_lib.ConfigError("checkpoint.init_from: not supported with train.sync=local_sgd or a "
+                                     "compressed train.grad_reduce_dtype yet; start with the defaults")
+    base_abstract, adapter_abstract = split_adapters(prog.abstract_state["params"])
+    params = source.params(base_abstract, prog.cfg.model)
+    if adapter_abstract:
+        params = merge_trees(params, fresh_adapters(prog, adapter_abstract))
+    tx = optim.make(prog.cfg)
+    make = jax.jit(lambda p: {"params": p, "opt": tx.init(p), "step": jnp.zeros((), jnp.int32)},
+                   out_shardings=prog.state_shardings, donate_argnums=0)
+    return make(params)
+
+
+def merge_trees(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge_trees(out[k], v) if isinstance(v, dict) and k in out else v
+    return out
+
+
+def fresh_adapters(prog, adapter_abstract: dict) -> dict:
+    """The adapters of the model initialised from train.seed (XLA drops the unused base init)."""
+    from flax import nnx
+
+    import models
+    cfg = prog.cfg
+    shardings = jax.tree.map(lambda a: a.sharding, adapter_abstract)
+
+    def init():
+        model = models.get(cfg.model.name)(cfg.model, rngs=nnx.Rngs(params=jax.random.key(cfg.train.seed)))
+        adapters = split_adapters(nnx.to_pure_dict(nnx.state(model)))[1]
+        return jax.tree.map(lambda x, a: x.astype(a.dtype), adapters, adapter_abstract)
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def write_run_config(cfg: config_lib.RunConfig, path: Path) -> None:
+    """The resolved config without run_dir (a rerun chooses its own) as YAML."""
+    tree = yaml.safe_load(config_lib.dump(cfg))
+    tree.pop("run_dir", None)
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+
+
+# ----------------------------------------------------------------------------- import-hf / export-hf
+
+
+def run_config_of(source: Source) -> config_lib.RunConfig:
+    """The run config the source's weights were written with (the defaults for an HF dir)."""
+    tree = {**source.config, "model": dataclasses.asdict(source.model)}
+    cfg = config_lib.from_dict(tree)
+    config_lib.validate(cfg)
+    return cfg
+
+
+def program_for(cfg: config_lib.RunConfig):
+    """A program on the config's mesh, or on one device when the mesh does not fit those present."""
+    from shardtrain import mesh as mesh_lib, step
+    try:
+        return step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    except config_lib.ConfigError:
+        one = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(),
+                                  train=dataclasses.replace(cfg.train, global_batch_size=1, grad_accum_steps=1))
+        return step.build(one, mesh_lib.make_mesh(one.mesh, jax.devices()[:1]))
+
+
+def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
+    """`shardtrain import-hf`: an HF model directory -> OUT_DIR/checkpoints/0 (the parameters at
+    step 0; the optimizer state starts fresh wherever it is used), OUT_DIR/config.yaml (a training
+    config with checkpoint.init_from: OUT_DIR), the original config.json as hf_config.json and the
+    tokenizer files."""
+    t0 = time.perf_counter()
+    src = hf.Source(hf_dir)  # architecture, shards, shapes: checked before any work
+    out = Path(out_dir).resolve()
+    if checkpoint.scan(str(out / "checkpoints")):
+        raise config_lib.ConfigError(f"import-hf: {out} already holds checkpoints; give a new OUT_DIR")
+    cfg = config_lib.load(None, ["mesh.fsdp=-1", f"run_dir={out}", f"checkpoint.init_from={out}",
+                                 "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", *overrides])
+    cfg = dataclasses.replace(cfg, model=src.model, name=out.name)
+    config_lib.validate(cfg)
+    prog = program_for(cfg)
+    params = src.params(prog.abstract_state["params"])
+    ckpt = checkpoint.Checkpointer(prog)
+    ckpt.save(0, {"params": params, "step": jnp.zeros((), jnp.int32)})
+    ckpt.wait()
+    ckpt.close()
+    write_run_config(cfg, out / "config.yaml")
+    shutil.copyfile(src.dir / "config.json", out / HF_CONFIG)
+    hf.copy_side_files(src.dir, out)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    window = src.hf.get("sliding_window") if src.hf.get("use_sliding_window", True) else None
+    if window:
+        say(f"note: {src.dir}/config.json sets sliding_window={window}; shardtrain attends to the whole "
+            f"context, which matches the model only up to {window} tokens")
+    say(f"imported {hf.architecture(src.hf, '')} ({n / 1e6:.2f}M parameters) from {src.dir} to {out} "
+        f"in {time.perf_counter() - t0:.1f} s; fine-tune with: shardtrain train {out / 'config.yaml'}")
+
+
+def parse_bytes(text: str) -> int:
+    units = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit) and t[:-len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[:-len(unit)]) * scale)
+    if t.isdigit():
+        return int(t)
+    raise config_lib.ConfigError(f"--max-shard-size {text!r}: give bytes like 5GB, 500MB or 2000000")
+
+
+def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shard_size: str = "5GB",
+              say=print) -> None:
+    """`shardtrain export-hf`: a run directory, checkpoint step or import-hf directory -> an HF
+    model directory loadable by transformers (config.json, safetensors shards + index, tokenizer)."""
+    t0 = time.perf_counter()
+    source = find(source_path, what="export-hf")
+    base = source.base_hf_config()
+    if dtype is None:
+        dtype = (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
+        dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+    limit = parse_bytes(max_shard_size)
+    prog = program_for(run_config_of(source))
+    params = merge_adapters(source.params(prog.abstract_state["params"]), source.model)
+    files = hf.export(params, source.model, out_dir, base=base, dtype=dtype, max_shard_bytes=limit,
+                      side_files=source.files_dir)
+    say(f"exported {source.step_dir or source.path} to {out_dir} ({len(files)} safetensors file"
+        f"{'s' * (len(files) > 1)}, {dtype}) in {time.perf_counter() - t0:.1f} s")
