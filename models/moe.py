@@ -5,9 +5,12 @@ Shapes: B batch, T sequence, D d_model, F d_ff (per expert), E experts, k expert
 N tokens on a device, A = N k assignments, P expert shards (devices along `experts`), El = E / P
 experts per shard, S rows each shard sends to each other shard.
 
-Routing (Mixtral's): p = softmax(router logits) over all E experts; the k largest are the token's
-experts; their probabilities renormalised to sum to 1 weight the experts' outputs. Auxiliary
-losses, returned to the trainer as `aux` (already multiplied by their coefficients):
+Routing (Hugging Face's Mixtral / Qwen-MoE): p = softmax(router logits) over all E experts, in
+float32; the k largest are the token's experts; their probabilities, renormalised to sum to 1
+(`norm_topk_prob`, Mixtral and Qwen3-MoE) or not (Qwen2-MoE's default), weight the experts'
+outputs. Shared experts (`n_shared_experts`, one SwiGLU MLP of `shared_expert_d_ff` hidden units)
+see every token; with `shared_expert_gate` (Qwen2-MoE) their output is scaled by
+sigmoid(h . w_gate). Auxiliary losses, returned to the trainer as `aux` (already multiplied by their coefficients):
   moe_aux_loss  = coef x E x sum_e f_e P_e  (Switch / Mixtral load balancing: f_e the fraction of
                   tokens with e among their k, P_e the mean router probability of e; k at balance)
   router_z_loss = coef x mean(logsumexp(logits)^2)  (ST-MoE)
@@ -57,13 +60,14 @@ def grouped(x_rd, w_edf, group_e):
     return jax.lax.ragged_dot(x_rd, w_edf, group_e)
 
 
-def route(logits_bte, k: int, constrain):
-    """(top-k expert ids, their renormalised weights, router probabilities). The top-k runs per
-    shard: XLA's partitioner would gather the probabilities of the whole batch for it."""
+def route(logits_bte, k: int, constrain, normalise: bool = True):
+    """(top-k expert ids, their weights: probabilities, renormalised over the k when `normalise`,
+    router probabilities). The top-k runs per shard: XLA's partitioner would gather the
+    probabilities of the whole batch for it."""
     probs = jax.nn.softmax(logits_bte.astype(jnp.float32), axis=-1)
     bte = ("batch", "seq", None)
     top_p, top_i = constrain.shard_map(lambda shard, p: tuple(jax.lax.top_k(p, k)), (bte,), (bte, bte))(probs)
-    return top_i, top_p / top_p.sum(-1, keepdims=True), probs
+    return top_i, top_p / top_p.sum(-1, keepdims=True) if normalise else top_p, probs
 
 
 def aux_losses(logits_bte, probs_bte, top_i_btk, cfg) -> dict:
@@ -73,6 +77,11 @@ def aux_losses(logits_bte, probs_bte, top_i_btk, cfg) -> dict:
     z = jax.nn.logsumexp(logits_bte.astype(jnp.float32), axis=-1)
     return {"moe_aux_loss": cfg.router_aux_loss_coef * e * jnp.sum(f_e * p_e),
             "router_z_loss": cfg.router_z_loss_coef * jnp.mean(z * z)}
+
+
+def shared_d_ff(cfg) -> int:
+    """Hidden units of the shared experts' one SwiGLU MLP."""
+    return cfg.shared_expert_d_ff or cfg.n_shared_experts * cfg.d_ff
 
 
 def inactive_params(cfg) -> int:
@@ -145,22 +154,27 @@ class Moe(nnx.Module):
         self.w_up_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_down_efd = param(rngs, normal(f ** -0.5 / 2), (e, f, d), W_OUT)
         if cfg.n_shared_experts:
-            s = cfg.n_shared_experts * f
-            self.shared_gate_df = param(rngs, normal(d ** -0.5), (d, s), ("embed", "mlp"))
-            self.shared_up_df = param(rngs, normal(d ** -0.5), (d, s), ("embed", "mlp"))
-            self.shared_down_fd = param(rngs, normal(s ** -0.5 / 2), (s, d), ("mlp", "embed"))
+            s = shared_d_ff(cfg)
+            self.shared_w_gate_df = param(rngs, normal(d ** -0.5), (d, s), ("embed", "mlp"))
+            self.shared_w_up_df = param(rngs, normal(d ** -0.5), (d, s), ("embed", "mlp"))
+            self.shared_w_down_fd = param(rngs, normal(s ** -0.5 / 2), (s, d), ("mlp", "embed"))
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate_d1 = param(rngs, normal(d ** -0.5), (d, 1), ("embed", None))
 
     def __call__(self, h_btd):
         c, cfg = self.constrain, self.cfg
         flat = c.size("seq") == 1
         logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32), flat=flat)
-        top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.experts_per_token, c)
+        top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.experts_per_token, c, cfg.norm_topk_prob)
         aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
         local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg),
                             (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))
         out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
         if cfg.n_shared_experts:
-            shared = (self.shared_gate_df[...], self.shared_up_df[...], self.shared_down_fd[...])
-            out_btd = out_btd + swiglu(h_btd, *shared, flat)
+            shared = (self.shared_w_gate_df[...], self.shared_w_up_df[...], self.shared_w_down_fd[...])
+            shared_btd = swiglu(h_btd, *shared, flat)
+            if cfg.shared_expert_gate:
+                shared_btd = jax.nn.sigmoid(dense(h_btd, self.shared_expert_gate_d1[...], flat=flat)) * shared_btd
+            out_btd = out_btd + shared_btd
         return c(out_btd, ("batch", "seq", None)), aux

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints <-> our parameter tree: configs, names, layouts, tensor by tensor.
 
 Supported: LlamaForCausalLM (Llama 2/3/3.1/3.2), MistralForCausalLM, Qwen2ForCausalLM (Qwen2 /
-Qwen2.5) and Qwen3ForCausalLM, all as configs of the one decoder in models/gpt.py.
+Qwen2.5), Qwen3ForCausalLM and the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM
+and Qwen3MoeForCausalLM, all as configs of the one decoder in models/gpt.py.
 
 Layouts (ours <- HF, per layer i; our block parameters are stacked on a leading `layers` axis):
   embedding_vd (V, D)     <- model.embed_tokens.weight (V, D)
@@ -11,6 +12,12 @@ Layouts (ours <- HF, per layer i; our block parameters are stacked on a leading 
   blocks/bq_he, bk_ke, bv_ke <- q/k/v_proj.bias (Qwen2);  blocks/q_norm, k_norm <- q/k_norm.weight (Qwen3)
   blocks/w_gate_df, w_up_df (D, F) <- gate_proj / up_proj.weight (F, D);  w_down_fd <- down_proj (D, F)
   blocks/attn_norm, mlp_norm <- input_layernorm, post_attention_layernorm;  final_norm <- model.norm
+  MoE blocks (per expert j; MLP = block_sparse_moe (Mixtral) or mlp (Qwen-MoE)):
+  blocks/moe/router_de (D, E) <- MLP.gate.weight (E, D), transposed
+  blocks/moe/w_gate_edf, w_up_edf (E, D, F) <- MLP.experts.j.w1 / w3 (Mixtral), gate_proj / up_proj (Qwen) (F, D)
+  blocks/moe/w_down_efd (E, F, D) <- MLP.experts.j.w2 / down_proj (D, F)
+  blocks/moe/shared_w_gate_df, shared_w_up_df, shared_w_down_fd <- mlp.shared_expert.* (Qwen2-MoE)
+  blocks/moe/shared_expert_gate_d1 (D, 1) <- mlp.shared_expert_gate.weight (1, D)
   unembed_dv (D, V)       <- lm_head.weight (V, D), absent when the embeddings are tied
 The rotary layout needs no permutation: models/gpt.py rotates halves exactly as HF does.
 
@@ -35,7 +42,9 @@ from shardtrain import safetensors_io
 from shardtrain.config import ConfigError, ModelConfig, RopeScalingConfig
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
+             "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
 INDEX = "model.safetensors.index.json"
@@ -88,7 +97,7 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     for key, ok in [("hidden_act", "silu"), ("mlp_bias", False), ("partial_rotary_factor", 1.0)]:
         if hf.get(key, ok) != ok:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r})")
-    if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":
+    if hf.get("attention_bias") and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
         raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     params = hf.get("rope_parameters") or {}
@@ -102,18 +111,51 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         fields = {f.name for f in dataclasses.fields(RopeScalingConfig)} - {"type"}
         rope_scaling = RopeScalingConfig(type=kind, **{k: v for k, v in scaling.items() if k in fields})
     head_dim = hf.get("head_dim") or d // h
-    return ModelConfig(
+    fields = dict(
         name="gpt", vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=h,
         n_kv_heads=hf.get("num_key_value_heads") or h, d_ff=hf["intermediate_size"], rope_theta=float(theta),
         rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         head_dim=None if head_dim * h == d else head_dim,
-        qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM")
+        qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"))
+    return ModelConfig(**{**fields, **moe_fields(hf, arch, where)})
+
+
+def moe_fields(hf: dict, arch: str, where: str) -> dict:
+    """Our MoE model fields for a Mixtral / Qwen-MoE config.json ({} for a dense family)."""
+    if arch == "MixtralForCausalLM":
+        return dict(n_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
+    if arch not in QWEN_MOE:
+        return {}
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise ConfigError(f"{where}: decoder_sparse_step={hf.get('decoder_sparse_step')} / mlp_only_layers="
+                          f"{hf.get('mlp_only_layers')}: dense layers between MoE layers are not supported "
+                          "(only decoder_sparse_step=1, mlp_only_layers=[])")
+    shared = hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return dict(n_experts=hf.get("num_experts") or hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+                d_ff=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                n_shared_experts=1 if shared else 0, shared_expert_d_ff=shared or None,
+                shared_expert_gate=bool(shared), router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+
+
+def moe_architecture(m: ModelConfig) -> str:
+    """The HF MoE family that can hold our MoE config (ConfigError if none can)."""
+    if m.qk_norm and not m.n_shared_experts:
+        return "Qwen3MoeForCausalLM"
+    if m.n_shared_experts == 1 and m.shared_expert_gate:
+        return "Qwen2MoeForCausalLM"
+    if not (m.n_shared_experts or m.qkv_bias or m.qk_norm) and m.norm_topk_prob:
+        return "MixtralForCausalLM"
+    raise ConfigError("this MoE config has no Hugging Face family (Mixtral: no shared experts, norm_topk_prob; "
+                      "Qwen2-MoE: one gated shared expert; Qwen3-MoE: qk_norm, no shared experts)")
 
 
 def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
     """config.json for our model config: `base` (the imported model's) updated, or a fresh one."""
     arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+    arch = moe_architecture(m) if m.n_experts > 1 else arch
     out = dict(base) if base else {"architectures": [arch], "model_type": SUPPORTED[arch], "hidden_act": "silu",
                                    "max_position_embeddings": 4096, "attention_bias": False}
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
@@ -127,6 +169,18 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
                num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, intermediate_size=m.d_ff,
                head_dim=m.head_dim or m.d_model // m.n_heads, rms_norm_eps=m.rms_norm_eps,
                tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
+    if m.n_experts > 1:
+        out["router_aux_loss_coef"] = m.router_aux_loss_coef
+    if arch == "MixtralForCausalLM":
+        out.update(num_local_experts=m.n_experts, num_experts_per_tok=m.experts_per_token)
+    elif arch in QWEN_MOE:
+        if "num_local_experts" in out:  # transformers 5 writes Qwen3-MoE's num_experts under this name
+            out["num_local_experts"] = m.n_experts
+        out.update(num_experts=m.n_experts, num_experts_per_tok=m.experts_per_token, moe_intermediate_size=m.d_ff,
+                   norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                   intermediate_size=(base or {}).get("intermediate_size", m.d_ff))
+        if m.n_shared_experts:
+            out["shared_expert_intermediate_size"] = m.shared_expert_d_ff or m.d_ff
     out.pop("torch_dtype", None)
     if m.rope_scaling is not None:
         out["rope_scaling"] = rope
@@ -143,7 +197,8 @@ class Entry:
     ours: tuple[str, ...]
     """Path in our parameter tree."""
     hf: str
-    """HF tensor name; `{i}` is the layer for stacked block parameters."""
+    """HF tensor name; `{i}` is the layer for stacked block parameters, `{j}` the expert for MoE
+    expert weights (stacked on the axis after the layers)."""
     hf_shape: tuple[int, ...]
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
@@ -151,6 +206,10 @@ class Entry:
     @property
     def layered(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.hf
 
 
 def tensor_map(m: ModelConfig) -> list[Entry]:
@@ -187,18 +246,51 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
         Entry(("blocks", "wo_hed"), attn + "o_proj.weight", (d, h * e),
               lambda a: a.T.reshape(h, e, d), lambda a: a.reshape(h * e, d).T),
         Entry(("blocks", "mlp_norm"), layer + "post_attention_layernorm.weight", (d,), same, same),
-        Entry(("blocks", "w_gate_df"), mlp + "gate_proj.weight", (f, d), tr, tr),
-        Entry(("blocks", "w_up_df"), mlp + "up_proj.weight", (f, d), tr, tr),
-        Entry(("blocks", "w_down_fd"), mlp + "down_proj.weight", (d, f), tr, tr),
-        Entry(("final_norm",), "model.norm.weight", (d,), same, same),
     ]
+    if m.n_experts > 1:
+        entries += moe_entries(m)
+    else:
+        entries += [Entry(("blocks", "w_gate_df"), mlp + "gate_proj.weight", (f, d), tr, tr),
+                    Entry(("blocks", "w_up_df"), mlp + "up_proj.weight", (f, d), tr, tr),
+                    Entry(("blocks", "w_down_fd"), mlp + "down_proj.weight", (d, f), tr, tr)]
+    entries.append(Entry(("final_norm",), "model.norm.weight", (d,), same, same))
     if not m.tie_embeddings:
         entries.append(Entry(("unembed_dv",), "lm_head.weight", (v, d), tr, tr))
     return entries
 
 
-def names_of(entry: Entry, n_layers: int) -> list[str]:
-    return [entry.hf.format(i=i) for i in range(n_layers)] if entry.layered else [entry.hf]
+def moe_entries(m: ModelConfig) -> list[Entry]:
+    d, f, n = m.d_model, m.d_ff, m.n_experts
+
+    def tr(a):
+        return a.T
+    if moe_architecture(m) == "MixtralForCausalLM":
+        mlp, (gate, up, down) = "model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        mlp, (gate, up, down) = "model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
+    moe = ("blocks", "moe")
+    entries = [Entry((*moe, "router_de"), mlp + "gate.weight", (n, d), tr, tr),
+               Entry((*moe, "w_gate_edf"), mlp + f"experts.{{j}}.{gate}.weight", (f, d), tr, tr),
+               Entry((*moe, "w_up_edf"), mlp + f"experts.{{j}}.{up}.weight", (f, d), tr, tr),
+               Entry((*moe, "w_down_efd"), mlp + f"experts.{{j}}.{down}.weight", (d, f), tr, tr)]
+    if m.n_shared_experts:
+        s = m.shared_expert_d_ff or m.n_shared_experts * f
+        entries += [Entry((*moe, "shared_w_gate_df"), mlp + "shared_expert.gate_proj.weight", (s, d), tr, tr),
+                    Entry((*moe, "shared_w_up_df"), mlp + "shared_expert.up_proj.weight", (s, d), tr, tr),
+                    Entry((*moe, "shared_w_down_fd"), mlp + "shared_expert.down_proj.weight", (d, s), tr, tr),
+                    Entry((*moe, "shared_expert_gate_d1"), mlp + "shared_expert_gate.weight", (1, d), tr, tr)]
+    return entries
+
+
+def indexed_names(entry: Entry, m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, index into our stacked parameter) for each HF tensor of `entry`."""
+    layers = range(m.n_layers) if entry.layered else [None]
+    experts = range(m.n_experts) if entry.per_expert else [None]
+    return [(entry.hf.format(i=i, j=j), tuple(x for x in (i, j) if x is not None)) for i in layers for j in experts]
+
+
+def names_of(entry: Entry, m: ModelConfig) -> list[str]:
+    return [name for name, _ in indexed_names(entry, m)]
 
 
 def tree_get(tree, path):
@@ -233,7 +325,7 @@ class Source:
             self.entries = tensor_map(self.model)
         bad, config = [], "config.json" if m is None else "the model config"
         for entry in self.entries:
-            for name in names_of(entry, self.model.n_layers):
+            for name in names_of(entry, self.model):
                 if name not in present:
                     bad.append(f"{name}: missing from the weights, expected shape {entry.hf_shape}")
                 elif self.reader.shape(name) != entry.hf_shape:
@@ -259,16 +351,19 @@ class Source:
     def _filler(self, entry: Entry, shape, dtype):
         last: dict = {}
 
-        def ours(i):  # one HF tensor in our layout, cached until the next one is asked for
-            if i not in last:
+        def ours(i=None, j=None):  # one HF tensor in our layout, cached until the next one is asked for
+            if (i, j) not in last:
                 last.clear()
-                last[i] = entry.to_ours(self.reader.get(entry.hf.format(i=i)))
-            return last[i]
+                last[i, j] = entry.to_ours(self.reader.get(entry.hf.format(i=i, j=j)))
+            return last[i, j]
 
         def fill(index):
+            if entry.per_expert:  # (L, E, ...): one HF tensor per layer and expert
+                return np.stack([np.stack([ours(i, j)[index[2:]] for j in range(shape[1])[index[1]]])
+                                 for i in range(shape[0])[index[0]]]).astype(dtype)
             if entry.layered:
                 return np.stack([ours(i)[index[1:]] for i in range(shape[0])[index[0]]]).astype(dtype)
-            return np.asarray(ours(None)[index], dtype=dtype)
+            return np.asarray(ours()[index], dtype=dtype)
         return fill
 
 
@@ -293,13 +388,13 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
     specs, fetch = [], {}
     for entry in tensor_map(m):
         array = tree_get(params, entry.ours)
-        for i, name in enumerate(names_of(entry, m.n_layers)):
+        for name, index in indexed_names(entry, m):
             specs.append((name, entry.hf_shape, np_dtype))
-            fetch[name] = (entry, array, i if entry.layered else None)
+            fetch[name] = (entry, array, index)
 
     def produce(name):
-        entry, array, i = fetch[name]
-        host = np.asarray(jax.device_get(array if i is None else array[i]))
+        entry, array, index = fetch[name]
+        host = np.asarray(jax.device_get(array[index] if index else array))
         return entry.to_hf(host.astype(np.float32)).astype(np_dtype)
 
     shards, size = [[]], 0

@@ -4,7 +4,9 @@ tests/fixtures/hf/<family>/ holds a tiny random model per supported family, save
 transformers, with transformers' logits and greedy generation (tests/fixtures/make_hf_fixtures.py
 made them; the one slow test here remakes them when torch is installed). Llama uses llama3 rope
 scaling, Qwen2 qkv biases and tied embeddings, Qwen3 qk-norm, head_dim 16 != 32/4 and a
-sharded checkpoint with an index.
+sharded checkpoint with an index. The mixtures of experts (4 experts, top 2): Mixtral, Qwen2-MoE
+with a gated shared expert and unnormalised top-k weights, Qwen3-MoE; their sharded parity runs
+on an expert-parallel 2x2x2 mesh (expert x fsdp x tensor).
 """
 
 import dataclasses
@@ -23,7 +25,8 @@ from shardtrain import cli, config, generate, hf, mesh as mesh_lib, safetensors_
 from shardtrain.config import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES]
 
 
 def reference(family):
@@ -39,7 +42,8 @@ def our_logits(source, tokens_bt, mesh_overrides, devices=None, run_dir="/tmp/un
     prog = step.build(cfg, mesh)
     params = source.params(prog.abstract_state["params"])
     graphdef = nnx.split(step.abstract_model(cfg, sharding.Constrain(cfg.rules, mesh)))[0]
-    return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens_bt))
+    out = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens_bt)
+    return np.asarray(out[0] if isinstance(out, tuple) else out)  # an MoE model: (logits, aux losses)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -47,14 +51,15 @@ def test_logits_equal_transformers_on_2x2x2_mesh_and_one_device(family):
     ref, want = reference(family)
     source = weights.find(FIXTURES / family)
     tokens = np.tile(np.array(ref["tokens"], np.int32), (2, 1))  # 4 rows: the batch splits over data x fsdp
-    sharded = our_logits(source, tokens, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])[:2]
+    split = "mesh.expert=2" if family in MOE_FAMILIES else "mesh.data=2"
+    sharded = our_logits(source, tokens, [split, "mesh.fsdp=2", "mesh.tensor=2"])[:2]
     single = our_logits(source, tokens[:2], [], devices=jax.devices()[:1])
     assert np.abs(sharded - want).max() < 1e-4
     assert np.abs(single - want).max() < 1e-4
     assert np.abs(sharded - single).max() < 1e-5 * np.abs(want).max()  # logits up to ~8: reduction order
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral"])
 def test_greedy_generation_equals_transformers(family):
     ref, _ = reference(family)
     gen = generate.Generator.from_source(FIXTURES / family)
@@ -109,6 +114,21 @@ def test_import_then_export_round_trips_bit_exactly(tmp_path):
     assert hf.model_config(json.loads((tmp_path / "exp" / "config.json").read_text())) == hf.Source(src).model
 
 
+def test_moe_import_then_export_round_trips_bit_exactly(tmp_path):
+    src = FIXTURES / "qwen2_moe"  # per-expert tensors, a gated shared expert, qkv bias
+    weights.import_hf(str(src), str(tmp_path / "imp"), say=lambda _: None)
+    weights.export_hf(str(tmp_path / "imp"), str(tmp_path / "exp"), say=lambda _: None)
+    a = safetensors_io.Reader(hf.safetensors_files(src))
+    b = safetensors_io.Reader(hf.safetensors_files(tmp_path / "exp"))
+    assert sorted(a.names()) == sorted(b.names())
+    for name in a.names():
+        assert a.dtype(name) == b.dtype(name) and np.array_equal(a.get(name), b.get(name)), name
+    for family in MOE_FAMILIES:  # each MoE config comes back as its own family's config.json
+        m = hf.Source(FIXTURES / family).model
+        assert hf.model_config(hf.hf_config(m)) == m
+        assert hf.hf_config(m)["architectures"] == hf.read_config(FIXTURES / family)["architectures"]
+
+
 def test_config_json_in_both_rope_forms():
     new = json.loads((FIXTURES / "llama" / "config.json").read_text())  # transformers 5: rope_parameters
     old = {k: v for k, v in new.items() if k != "rope_parameters"}  # published Llama 3.1 files
@@ -147,6 +167,27 @@ def test_published_config_files_map_to_our_fields():
                "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
                "rope_theta": 1000000.0, "sliding_window": None, "vocab_size": 32768, "head_dim": 128}
     assert hf.model_config(mistral).head_dim is None  # 128 = 4096 / 32
+    mixtral_8x7b = {"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                    "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                    "router_aux_loss_coef": 0.02, "sliding_window": None, "vocab_size": 32000}
+    m = hf.model_config(mixtral_8x7b)
+    assert (m.n_experts, m.experts_per_token, m.d_ff, m.norm_topk_prob, m.n_shared_experts) == (8, 2, 14336, True, 0)
+    qwen15_moe = {"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 5632,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
+                  "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "num_attention_heads": 16, "num_hidden_layers": 24,
+                  "num_key_value_heads": 16, "rope_theta": 1e6, "vocab_size": 151936}
+    m = hf.model_config(qwen15_moe)
+    assert (m.n_experts, m.d_ff, m.shared_expert_d_ff, m.shared_expert_gate, m.norm_topk_prob, m.qkv_bias) == (
+        60, 1408, 5632, True, False, True)
+    qwen3_30b_a3b = {**qwen3_8b, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128,
+                     "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "mlp_only_layers": []}
+    m = hf.model_config(qwen3_30b_a3b)
+    assert (m.n_experts, m.experts_per_token, m.d_ff, m.qk_norm, m.n_shared_experts) == (128, 8, 768, True, 0)
+    with pytest.raises(ConfigError, match="dense layers between MoE layers are not supported"):
+        hf.model_config({**qwen3_30b_a3b, "mlp_only_layers": [0]})
     with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
         hf.model_config({**qwen25_7b, "rope_scaling": {"type": "yarn", "factor": 4.0}})
 

@@ -22,8 +22,8 @@ def layer_and_input(*overrides, t=16):
 
 
 def naive_mixture(layer, cfg, h_btd, capacity=None):
-    """Each token through each of its top-k experts one by one, weighted by its renormalised
-    softmax probabilities; with `capacity`, an expert takes only its first `capacity` assignments
+    """Each token through each of its top-k experts one by one, weighted by its softmax
+    probabilities (renormalised over the k with norm_topk_prob); with `capacity`, an expert takes only its first `capacity` assignments
     in (token, k) order."""
     h_nd = np.asarray(h_btd, np.float64).reshape(-1, cfg.d_model)
     probs = np.exp(h_nd @ np.asarray(layer.router_de[...], np.float64))
@@ -38,14 +38,20 @@ def naive_mixture(layer, cfg, h_btd, capacity=None):
             if capacity is not None and taken[e] > capacity:
                 continue
             g, u = x @ wg[e], x @ wu[e]
-            out[n] += probs[n, e] / probs[n, top].sum() * ((g / (1 + np.exp(-g)) * u) @ wd[e])
+            weight = probs[n, e] / (probs[n, top].sum() if cfg.norm_topk_prob else 1.0)
+            out[n] += weight * ((g / (1 + np.exp(-g)) * u) @ wd[e])
     if cfg.n_shared_experts:
-        g, u = h_nd @ np.asarray(layer.shared_gate_df[...]), h_nd @ np.asarray(layer.shared_up_df[...])
-        out += (g / (1 + np.exp(-g)) * u) @ np.asarray(layer.shared_down_fd[...])
+        g, u = h_nd @ np.asarray(layer.shared_w_gate_df[...]), h_nd @ np.asarray(layer.shared_w_up_df[...])
+        shared = (g / (1 + np.exp(-g)) * u) @ np.asarray(layer.shared_w_down_fd[...])
+        if cfg.shared_expert_gate:
+            shared /= 1 + np.exp(-h_nd @ np.asarray(layer.shared_expert_gate_d1[...]))
+        out += shared
     return out.reshape(h_btd.shape)
 
 
-@pytest.mark.parametrize("overrides", [(), ("model.n_shared_experts=1", "model.experts_per_token=1")])
+@pytest.mark.parametrize("overrides", [(), ("model.n_shared_experts=1", "model.experts_per_token=1"),
+                                       ("model.n_shared_experts=1", "model.shared_expert_d_ff=48",
+                                        "model.shared_expert_gate=true", "model.norm_topk_prob=false")])
 def test_dropless_routing_is_the_dense_mixture_of_each_tokens_top_k_experts(overrides):
     cfg, layer, h_btd = layer_and_input(*overrides)
     out_btd, aux = jax.jit(layer)(h_btd)
