@@ -274,6 +274,21 @@ def test_search_entry_point_prints_the_ranking_and_writes_the_top_row(tmp_path, 
     assert {a: getattr(best.mesh, a) for a in config.MESH_AXES} == result["rows"][0]["mesh"]
 
 
+@pytest.mark.slow
+def test_search_across_slices_tries_each_split_of_the_slices(tmp_path, capsys):
+    # two granules (mesh.dcn) of one device each: the slices split over data, pipeline or fsdp
+    cfg = config.load(None, [*SMALL, "model.name=mlp", "mesh.dcn.data=2", f"run_dir={tmp_path / 'run'}"])
+    out = tmp_path / "best.yaml"
+    assert search.main(cfg, *plan.target(cfg, 2, chip="cpu"), as_json=True, write=str(out)) == 0
+    result = json.loads(capsys.readouterr().out)
+    tried = [r["dcn"] for r in result["rows"]] + [r["dcn"] for r in result["rejected"]]
+    assert {tuple(d[a] for a in ("data", "pipeline", "fsdp")) for d in tried} == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
+    assert all(r["mesh"] == dict.fromkeys(config.MESH_AXES, 1) for r in result["rows"])  # one device per slice
+    best = config.load(str(out))
+    assert {a: getattr(best.mesh.dcn, a) for a in config.MESH_AXES} == result["rows"][0]["dcn"]
+    assert "dcn" in search.format_table(result)
+
+
 def test_cli_bad_input_exits_2_with_the_fix(tmp_path):
     run = subprocess.run([sys.executable, "-m", "shardtrain.cli", "plan", "meshes/demo.yaml", "--devices", "6"],
                          capture_output=True, text=True, timeout=300)
