@@ -134,9 +134,6 @@ def blocks_runner(cfg: RunConfig, mesh: Mesh) -> Callable:
     (its errors name layers, stages, repeats), else a scan."""
     if mesh.shape["pipeline"] == 1:
         return scan_runner(cfg)
-    if data.packed(cfg):
-        raise ConfigError(f"data.source={cfg.data.source} packs documents with segment ids, which the pipeline "
-                          "(mesh.pipeline > 1) does not carry yet; use mesh.pipeline=1")
     return pipeline.runner(cfg, mesh)
 
 
