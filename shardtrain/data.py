@@ -7,7 +7,7 @@ batch its devices hold, so resuming on any number of processes continues at the 
 Sources (data.source):
   text       byte tokens of text files; the last 1/20 of the windows are the `eval` split.
   synthetic  seeded arithmetic sequences; `eval` draws them from another seed.
-  tokens     shards written by `shardtrain prepare` (tokens_source.py), memory-mapped: documents
+  tokens     shards written by `shardtrain prepare` (tokens_source.py), read by range: documents
              (each ending in EOS) concatenated and cut into windows of seq_len + 1 tokens. A
              sample is then a dict {tokens, segment_ids, positions} (see PackedWindows).
 """

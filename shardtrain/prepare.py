@@ -190,6 +190,9 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
     from tqdm import tqdm
     if not 0 <= opts.eval_fraction < 1:
         raise ConfigError(f"--eval-fraction: must be in [0, 1), got {opts.eval_fraction}")
+    if "://" in opts.out:
+        raise ConfigError(f"--out {opts.out}: prepare writes to local disk; prepare into a local DIR, copy it up "
+                          f"(gcloud storage cp -r DIR {opts.out}) and train with data.path={opts.out}")
     files = input_files(inputs)
     tok = tokenize.load(opts.tokenizer, opts.eos)  # a bad tokenizer or --eos fails here, before any work
     out = Path(opts.out)

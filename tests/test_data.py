@@ -17,7 +17,7 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
 
 import models
-from shardtrain import cli, config, data, mesh as mesh_lib, prepare, step, tokenize, tokens_source
+from shardtrain import cli, config, data, mesh as mesh_lib, prepare, step, storage, tokenize, tokens_source
 from shardtrain.config import ConfigError
 
 DOCS = [f"document {i}: " + " ".join(f"w{(i * 7 + j) % 13}" for j in range(3 + i % 9)) for i in range(60)]
@@ -251,36 +251,57 @@ def test_prepare_errors(capsys, tmp_path, tok_path, corpus):
     cases = [(["--tokenizer", str(tmp_path / "none.json")], "no tokenizer file there"),
              (["--tokenizer", str(tok_path), "--eos", "<nope>"], "--eos <nope>: no such token"),
              (["--tokenizer", str(tok_path), "--eval-fraction", "0.0001"], "held out none of the 10 documents"),
-             (["--tokenizer", str(tok_path), "--text-field", "body"], "no column 'body'")]
+             (["--tokenizer", str(tok_path), "--text-field", "body"], "no column 'body'"),
+             (["--tokenizer", str(tok_path), "--out", "gs://b/ds"], "--out gs://b/ds: prepare writes to local disk")]
     for args, message in cases:
         inputs = [str(corpus / "b.parquet")] if "body" in args else [str(corpus / "c*.txt")]
-        code, err = run_cli(capsys, "prepare", *inputs, *args, "--out", str(tmp_path / "out"))
+        code, err = run_cli(capsys, "prepare", *inputs, "--out", str(tmp_path / "out"), *args)
         assert code == 2 and message in err.strip().splitlines()[-1] and "Traceback" not in err, err
 
 
-def test_streaming_errors_name_the_shard(prepared, cfg_factory, tmp_path):
+@pytest.mark.parametrize("url", [False, True], ids=["local", "kvstore"])
+def test_streaming_errors_name_the_shard(prepared, cfg_factory, tmp_path, url):
+    """The same checks on a local directory and through a URL (file://: tensorstore's kvstore,
+    the code path of gs://)."""
     import shutil
     ds = tmp_path / "ds"
     shutil.copytree(prepared, ds)
+    where = f"file://{ds}" if url else str(ds)
+    shard, name = ds / "train" / "00000.bin", f"{where}/train/00000.bin"
     with pytest.raises(ConfigError, match="smaller than the tokenizer's 300"):
-        tokens_source.windows(cfg_for(cfg_factory, ds, "model.vocab_size=256"), "train")
-    with pytest.raises(ConfigError, match="gcsfuse"):
-        tokens_source.windows(cfg_for(cfg_factory, "gs://bucket/ds"), "train")
-    shard = ds / "train" / "00000.bin"
+        tokens_source.windows(cfg_for(cfg_factory, where, "model.vocab_size=256"), "train")
     tokens = np.fromfile(shard, np.uint16)
     tokens[3] = 999
     tokens.tofile(shard)
-    windows = tokens_source.windows(cfg_for(cfg_factory, ds), "train")  # size matches: found when read
-    with pytest.raises(ConfigError, match=f"{shard}: token id 999 >= model.vocab_size=320"):
+    windows = tokens_source.windows(cfg_for(cfg_factory, where), "train")  # size matches: found when read
+    with pytest.raises(ConfigError, match=f"{name}: token id 999 >= model.vocab_size=320"):
         windows[0]
-    with pytest.raises(ConfigError, match=f"{shard}: sha256 does not match"):
-        tokens_source.windows(cfg_for(cfg_factory, ds, "data.verify=checksum"), "train")
-    tokens[:-1].tofile(shard)
-    with pytest.raises(ConfigError, match=f"{shard}: .* bytes, manifest.json says"):
-        tokens_source.windows(cfg_for(cfg_factory, ds), "train")
+    with pytest.raises(ConfigError, match=f"{name}: sha256 does not match"):
+        tokens_source.windows(cfg_for(cfg_factory, where, "data.verify=checksum"), "train")
+    for cut, problem in ((tokens[:-1], "(.* bytes|fewer than .*)"), (np.append(tokens, 1), "(.* bytes|more than .*)")):
+        cut.tofile(shard)
+        with pytest.raises(ConfigError, match=f"{name}: {problem}, manifest.json says"):
+            tokens_source.windows(cfg_for(cfg_factory, where), "train")
     shard.unlink()
-    with pytest.raises(ConfigError, match=f"{shard}: shard listed in manifest.json is missing"):
-        tokens_source.windows(cfg_for(cfg_factory, ds), "train")
+    with pytest.raises(ConfigError, match=f"{name}: shard listed in manifest.json is missing"):
+        tokens_source.windows(cfg_for(cfg_factory, where), "train")
+    (ds / "manifest.json").unlink()
+    with pytest.raises(ConfigError, match=f"data.path={where}: no manifest.json there"):
+        tokens_source.windows(cfg_for(cfg_factory, where), "train")
+
+
+def test_a_url_streams_the_same_windows_as_the_local_directory(prepared, cfg_factory):
+    """data.path=file://DIR goes through tensorstore's kvstore, as gs://BUCKET/DIR does: the same
+    windows (tokens, segment ids, positions) as reading DIR from disk, index blocks cached."""
+    local = tokens_source.windows(cfg_for(cfg_factory, prepared), "eval")
+    remote = tokens_source.windows(cfg_for(cfg_factory, f"file://{prepared}"), "eval")
+    assert isinstance(remote.split.shards[0].tokens.store, storage.KvStore) and len(remote) == len(local) > 2
+    for i in range(len(local)):
+        assert all((remote[i][k] == local[i][k]).all() for k in local[i])
+    cfg = cfg_for(cfg_factory, f"file://{prepared}")
+    whole = [b for _, b in data.batches(data.samples(cfg), 8, slice(0, 8), 0, 3)]
+    want = [b for _, b in data.batches(data.samples(cfg_for(cfg_factory, prepared)), 8, slice(0, 8), 0, 3)]
+    assert all((a[k] == b[k]).all() for a, b in zip(whole, want) for k in a)
 
 
 @pytest.mark.slow
