@@ -107,7 +107,35 @@ def test_prepare_resumes_and_runs_in_parallel(tok_path, corpus, tmp_path):
     (tmp_path / "train" / "00000.bin").write_bytes(b"")  # a finished file is not read again
     said = []
     assert prepare.prepare(inputs, opts, workers=1, say=said.append) == first
-    assert said[0].startswith("prepare: 1 of 2 input files already done")
+    assert said[0].startswith("prepare: 1 of 2 input files or parts already done")
+
+
+def test_large_files_split_into_parts_give_the_same_bytes(tok_path, tmp_path):
+    """A JSONL file cut into byte ranges at line starts (and a Parquet file into runs of row
+    groups) tokenized by 2 processes gives the same shards, byte for byte, as 1 process, and the
+    same token stream, eval split and error line numbers as the file read whole."""
+    jsonl, table = tmp_path / "big.jsonl", tmp_path / "big.parquet"
+    jsonl.write_text("".join(json.dumps({"text": t}) + ("\n\n" if i % 7 == 3 else "\n") for i, t in enumerate(DOCS)))
+    pq.write_table(pa.table({"text": DOCS}), table, row_group_size=8)
+    opts = dict(eval_fraction=0.25)
+    dirs = {}
+    for name, workers, part_bytes in (("whole", 1, 1 << 30), ("parts1", 1, 700), ("parts2", 2, 700)):
+        dirs[name] = tmp_path / name
+        prepare.prepare([str(jsonl), str(table)], prepare.Options(str(tok_path), str(dirs[name]), **opts),
+                        workers=workers, say=lambda _: None, part_bytes=part_bytes)
+    parts = sorted(p.name for p in (dirs["parts1"] / "parts").iterdir())
+    assert len(parts) > 6 and "00000.0000.json" in parts and "00001.0001.json" in parts  # both files were cut
+
+    def files(d):
+        return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+    assert files(dirs["parts1"]) == files(dirs["parts2"])
+    for split in ("train", "eval"):
+        assert split_docs(dirs["parts1"], split) == split_docs(dirs["whole"], split)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(jsonl.read_text() + '{"body": 1}\n')
+    with pytest.raises(ConfigError, match=f"bad.jsonl:{len(jsonl.read_text().splitlines()) + 1}: no string field"):
+        prepare.prepare([str(bad)], prepare.Options(str(tok_path), str(tmp_path / "bad")), workers=1,
+                        say=lambda _: None, part_bytes=700)
 
 
 def test_rows_of_two_processes_are_disjoint_and_make_the_batch(prepared, cfg_factory):
