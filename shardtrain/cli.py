@@ -172,7 +172,8 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     pr = sub.add_parser("prepare", help="tokenize text / JSONL / Parquet into shards for data.source=tokens")
     pr.add_argument("inputs", nargs="+", help="files, directories or globs (.jsonl, .parquet, else plain text)")
-    pr.add_argument("--tokenizer", required=True, help="a tokenizer.json, a directory holding one, or `bytes`")
+    pr.add_argument("--tokenizer", required=True, help="a tokenizer.json, a sentencepiece .model, a tiktoken "
+                    "file, a directory holding one, or `bytes`")
     pr.add_argument("--out", required=True, help="output directory (rerun the same command to resume)")
     pr.add_argument("--text-field", default="text", help="JSONL key / Parquet column of the text (default: text)")
     pr.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of documents held out as `eval`")

@@ -31,7 +31,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -331,7 +330,7 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
     seconds = time.perf_counter() - t0
 
     if tok.name != "bytes":
-        shutil.copyfile(tok.path, out / "tokenizer.json")
+        tok.save(out / "tokenizer.json")
     manifest = {"format": FORMAT, "tokenizer": "bytes" if tok.name == "bytes" else "tokenizer.json",
                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": token_dtype(tok.vocab_size).name,
                 "options": {k: v for k, v in asdict(opts).items() if k != "out"}, "splits": {}}
