@@ -157,26 +157,32 @@ def _index_block(store: Store, key: str, offset: int, block: int, length: int, d
 
 class RangeArray:
     """A flat array stored from byte `offset` of `key`: slices are read as one range each; single
-    elements (binary searches over a document index) come from cached blocks."""
+    elements (binary searches over a document index), and with `cached` slices inside one block,
+    come from cached blocks."""
 
-    def __init__(self, store: Store, key: str, dtype, offset: int, length: int):
+    def __init__(self, store: Store, key: str, dtype, offset: int, length: int, cached: bool = False):
         self.store, self.key, self.dtype, self.offset, self.length = store, key, np.dtype(dtype), offset, length
+        self.cached = cached
 
     def __len__(self):
         return self.length
 
+    def _block(self, i: int) -> np.ndarray:
+        return _index_block(self.store, self.key, self.offset, i, self.length, self.dtype.str)
+
     def __getitem__(self, index):
         size = self.dtype.itemsize
+        per_block = INDEX_BLOCK // size
         if isinstance(index, slice):
             start, stop, _ = index.indices(self.length)
             stop = max(start, stop)
+            if self.cached and stop > start and start // per_block == (stop - 1) // per_block:
+                return self._block(start // per_block)[start % per_block:(stop - 1) % per_block + 1]
             data = self.store.read(self.key, self.offset + start * size, self.offset + stop * size)
             return np.frombuffer(data, dtype=self.dtype)
         if index < 0:
             index += self.length
-        per_block = INDEX_BLOCK // size
-        block = _index_block(self.store, self.key, self.offset, index // per_block, self.length, self.dtype.str)
-        return int(block[index % per_block])
+        return int(self._block(index // per_block)[index % per_block])
 
 
 def npy_array(store: Store, key: str) -> RangeArray | None:
@@ -191,4 +197,4 @@ def npy_array(store: Store, key: str) -> RangeArray | None:
     np.lib.format.read_magic(f)
     read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
     shape, _, dtype = read_header(f)
-    return RangeArray(store, key, dtype, start, shape[0])
+    return RangeArray(store, key, dtype, start, shape[0], cached=True)

@@ -287,6 +287,24 @@ def test_prepare_errors(capsys, tmp_path, tok_path, corpus):
         assert code == 2 and message in err.strip().splitlines()[-1] and "Traceback" not in err, err
 
 
+def test_range_arrays_read_what_numpy_reads(tmp_path, monkeypatch):
+    """Elements and slices of a .npy file, read by range from disk and through a URL, with index
+    blocks of 8 entries so that reads cross blocks."""
+    monkeypatch.setattr(storage, "INDEX_BLOCK", 64)
+    storage._index_block.cache_clear()
+    want = np.random.default_rng(0).integers(0, 1 << 40, 1000)
+    np.save(tmp_path / "a.npy", want)
+    rng = np.random.default_rng(1)
+    for store in (storage.LocalStore(str(tmp_path)), storage.KvStore(f"file://{tmp_path}")):
+        array = storage.npy_array(store, "a.npy")
+        assert len(array) == 1000 and [array[i] for i in range(1000)] == want.tolist() and array[-1] == want[-1]
+        for start, stop in [(0, 1000), (5, 6), (7, 9), (8, 16), (990, 1005), (3, 3)] + \
+                [sorted(rng.integers(0, 1000, 2)) for _ in range(50)]:
+            assert array[start:stop].tolist() == want[start:stop].tolist(), (start, stop)
+        assert storage.npy_array(store, "none.npy") is None
+    storage._index_block.cache_clear()
+
+
 @pytest.mark.parametrize("url", [False, True], ids=["local", "kvstore"])
 def test_streaming_errors_name_the_shard(prepared, cfg_factory, tmp_path, url):
     """The same checks on a local directory and through a URL (file://: tensorstore's kvstore,
@@ -320,16 +338,19 @@ def test_streaming_errors_name_the_shard(prepared, cfg_factory, tmp_path, url):
 
 def test_a_url_streams_the_same_windows_as_the_local_directory(prepared, cfg_factory):
     """data.path=file://DIR goes through tensorstore's kvstore, as gs://BUCKET/DIR does: the same
-    windows (tokens, segment ids, positions) as reading DIR from disk, index blocks cached."""
+    windows (tokens, segment ids, positions) as reading DIR from disk, and the same batches read
+    ahead by REMOTE_READ_THREADS threads."""
     local = tokens_source.windows(cfg_for(cfg_factory, prepared), "eval")
     remote = tokens_source.windows(cfg_for(cfg_factory, f"file://{prepared}"), "eval")
     assert isinstance(remote.split.shards[0].tokens.store, storage.KvStore) and len(remote) == len(local) > 2
     for i in range(len(local)):
         assert all((remote[i][k] == local[i][k]).all() for k in local[i])
-    cfg = cfg_for(cfg_factory, f"file://{prepared}")
-    whole = [b for _, b in data.batches(data.samples(cfg), 8, slice(0, 8), 0, 3)]
-    want = [b for _, b in data.batches(data.samples(cfg_for(cfg_factory, prepared)), 8, slice(0, 8), 0, 3)]
-    assert all((a[k] == b[k]).all() for a, b in zip(whole, want) for k in a)
+    cfg, local_cfg = cfg_for(cfg_factory, f"file://{prepared}"), cfg_for(cfg_factory, prepared)
+    assert data.read_threads(cfg) == data.REMOTE_READ_THREADS and data.read_threads(local_cfg) == 1
+    got = list(data.batches(data.samples(cfg), 8, slice(0, 8), 0, 20, data.read_threads(cfg)))
+    want = list(data.batches(data.samples(local_cfg), 8, slice(0, 8), 0, 20))
+    assert [s for s, _ in got] == list(range(20))  # many threads read ahead, in order
+    assert all((a[k] == b[k]).all() for (_, a), (_, b) in zip(got, want) for k in a)
 
 
 @pytest.mark.slow
