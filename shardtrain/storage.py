@@ -120,10 +120,12 @@ class KvStore:
         return result.value if result.state == "value" else None
 
     def check_size(self, key: str, want: int) -> str | None:
-        # a kvstore has no stat: [want, want) must be readable and [want, want + 1) must not be
-        at_end, past_end = (self.kv.read(key, byte_range=slice(want, want + k)) for k in (0, 1))
+        # a kvstore has no stat: the last byte [want - 1, want) must be readable and [want, want + 1)
+        # must not be (two concurrent ranged reads; no empty range, which HTTP cannot express)
+        last = self.kv.read(key, byte_range=slice(want - 1, want)) if want else self.kv.read(key)
+        past_end = self.kv.read(key, byte_range=slice(want, want + 1))
         try:
-            if at_end.result().state != "value":
+            if last.result().state != "value":
                 return "missing"
         except ValueError:  # OUT_OF_RANGE
             return f"fewer than {want} bytes"
@@ -187,8 +189,9 @@ class RangeArray:
 
 def npy_array(store: Store, key: str) -> RangeArray | None:
     """The 1-D array of a .npy value, read by range; None when the key is missing."""
-    head = store.read(key, 0, 12) if store.check_size(key, 0) != "missing" else None
-    if head is None:
+    try:
+        head = store.read(key, 0, 12)
+    except FileNotFoundError:
         return None
     version = (head[6], head[7])
     header_len = int.from_bytes(head[8:10] if version == (1, 0) else head[8:12], "little")
