@@ -2,8 +2,11 @@
 resume, mixtures, the packed loss against documents run one by one, eval, bad inputs."""
 
 import functools
+import http.server
 import json
 import os
+import threading
+import urllib.parse
 from pathlib import Path
 
 import jax
@@ -52,6 +55,54 @@ def prepared(tok_path, corpus, tmp_path_factory):
     inputs = [str(corpus / "a.jsonl"), str(corpus / "b.parquet"), str(corpus / "c*.txt")]
     prepare.prepare(inputs, prepare.Options(str(tok_path), str(out), eval_fraction=0.25), workers=1, say=lambda _: None)
     return out
+
+
+class FakeGcs(http.server.BaseHTTPRequestHandler):
+    """GCS's JSON API media downloads as GCS answers them (206 with the bytes of a Range, cut at
+    the end; 416 for a range starting past the end; 404 for no object), from local directories:
+    bucket name -> directory in `buckets`."""
+    buckets: dict[str, Path] = {}
+
+    def do_GET(self):  # noqa: N802 (the http.server hook's name)
+        bucket, _, name = urllib.parse.urlparse(self.path).path.removeprefix("/storage/v1/b/").partition("/o/")
+        path = self.buckets[bucket] / urllib.parse.unquote(name)
+        body = path.read_bytes() if path.is_file() else None
+        status, headers = (200, {}) if body is not None else (404, {})
+        if body is not None and (byte_range := self.headers.get("Range")):
+            first, last = byte_range.removeprefix("bytes=").split("-")
+            size, first, last = len(body), int(first), int(last or len(body) - 1)
+            status, headers = (206, {"Content-Range": f"bytes {first}-{min(last, size - 1)}/{size}"}) \
+                if first < size else (416, {"Content-Range": f"bytes */{size}"})
+            body = body[first:last + 1] if first < size else b""
+        self.send_response(status)
+        for k, v in {**headers, "x-goog-generation": "1", "Content-Length": str(len(body or b""))}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """gcs(DIR) -> a gs:// URL that tensorstore's real `gcs` driver reads DIR through, from a fake
+    GCS server on 127.0.0.1 (TENSORSTORE_GCS_HTTP_URL, a fixed bearer token)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeGcs)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    saved = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")}
+    os.environ.update(TENSORSTORE_GCS_HTTP_URL=f"http://127.0.0.1:{server.server_address[1]}",
+                      GOOGLE_AUTH_TOKEN_FOR_TESTING="test")
+
+    def url(directory: Path) -> str:
+        name = f"bucket{len(FakeGcs.buckets)}"
+        FakeGcs.buckets[name] = directory
+        return f"gs://{name}/data"
+    yield url
+    server.shutdown()
+    server.server_close()
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def cfg_for(cfg_factory, ds, *extra):
@@ -305,14 +356,14 @@ def test_range_arrays_read_what_numpy_reads(tmp_path, monkeypatch):
     storage._index_block.cache_clear()
 
 
-@pytest.mark.parametrize("url", [False, True], ids=["local", "kvstore"])
-def test_streaming_errors_name_the_shard(prepared, cfg_factory, tmp_path, url):
-    """The same checks on a local directory and through a URL (file://: tensorstore's kvstore,
-    the code path of gs://)."""
+@pytest.mark.parametrize("where", ["local", "file", "gs"])
+def test_streaming_errors_name_the_shard(prepared, cfg_factory, tmp_path, gcs, where):
+    """The same checks on a local directory and through URLs: file:// and gs:// (tensorstore's
+    kvstore; gs:// through its gcs driver and a fake GCS server)."""
     import shutil
-    ds = tmp_path / "ds"
+    ds = tmp_path / "data"
     shutil.copytree(prepared, ds)
-    where = f"file://{ds}" if url else str(ds)
+    where = {"local": str(ds), "file": f"file://{ds}", "gs": gcs(tmp_path)}[where]
     shard, name = ds / "train" / "00000.bin", f"{where}/train/00000.bin"
     with pytest.raises(ConfigError, match="smaller than the tokenizer's 300"):
         tokens_source.windows(cfg_for(cfg_factory, where, "model.vocab_size=256"), "train")
@@ -336,20 +387,23 @@ def test_streaming_errors_name_the_shard(prepared, cfg_factory, tmp_path, url):
         tokens_source.windows(cfg_for(cfg_factory, where), "train")
 
 
-def test_a_url_streams_the_same_windows_as_the_local_directory(prepared, cfg_factory):
-    """data.path=file://DIR goes through tensorstore's kvstore, as gs://BUCKET/DIR does: the same
-    windows (tokens, segment ids, positions) as reading DIR from disk, and the same batches read
-    ahead by REMOTE_READ_THREADS threads."""
+@pytest.mark.parametrize("scheme", ["file", "gs"])
+def test_a_url_streams_the_same_windows_as_the_local_directory(prepared, cfg_factory, gcs, tmp_path, scheme):
+    """data.path=file://DIR or gs://BUCKET/DIR (a fake GCS server) goes through tensorstore's
+    kvstore: the same windows (tokens, segment ids, positions) as reading DIR from disk, and the
+    same batches read ahead by REMOTE_READ_THREADS threads."""
+    (tmp_path / "data").symlink_to(prepared)
+    url = f"file://{prepared}" if scheme == "file" else gcs(tmp_path)
     local = tokens_source.windows(cfg_for(cfg_factory, prepared), "eval")
-    remote = tokens_source.windows(cfg_for(cfg_factory, f"file://{prepared}"), "eval")
+    remote = tokens_source.windows(cfg_for(cfg_factory, url), "eval")
     assert isinstance(remote.split.shards[0].tokens.store, storage.KvStore) and len(remote) == len(local) > 2
     for i in range(len(local)):
         assert all((remote[i][k] == local[i][k]).all() for k in local[i])
-    cfg, local_cfg = cfg_for(cfg_factory, f"file://{prepared}"), cfg_for(cfg_factory, prepared)
+    cfg, local_cfg = cfg_for(cfg_factory, url), cfg_for(cfg_factory, prepared)
     assert data.read_threads(cfg) == data.REMOTE_READ_THREADS and data.read_threads(local_cfg) == 1
-    got = list(data.batches(data.samples(cfg), 8, slice(0, 8), 0, 20, data.read_threads(cfg)))
-    want = list(data.batches(data.samples(local_cfg), 8, slice(0, 8), 0, 20))
-    assert [s for s, _ in got] == list(range(20))  # many threads read ahead, in order
+    got = list(data.batches(data.samples(cfg), 8, slice(0, 8), 0, 10, data.read_threads(cfg)))
+    want = list(data.batches(data.samples(local_cfg), 8, slice(0, 8), 0, 10))
+    assert [s for s, _ in got] == list(range(10))  # many threads read ahead, in order
     assert all((a[k] == b[k]).all() for (_, a), (_, b) in zip(got, want) for k in a)
 
 
