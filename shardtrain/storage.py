@@ -9,9 +9,9 @@
                    (Application Default Credentials on GCS).
 Keys are paths relative to the location ("manifest.json", "train/00000.bin").
 
-Binary searches over a document index would cost one request per probe on GCS, so `read_int`
-reads the 32 KiB block around an index entry and keeps the most recent blocks (a few MB in all):
-the first probes of every search hit the same cached blocks.
+Binary searches over a document index would cost one request per probe on GCS, so an element
+of an index is read with the 32 KiB block around it, and the most recent blocks are kept (a few
+MB in all): the first probes of every search hit the same cached blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 
 INDEX_BLOCK = 1 << 15
-"""Bytes of an index read at once by `read_int` (4096 int64 entries)."""
+"""Bytes of an index read at once for single elements (4096 int64 entries)."""
+OPEN_THREADS = 32
+"""Shards checked at once when a split opens from a URL (a few requests each)."""
 
 
 def is_url(location: str) -> bool:

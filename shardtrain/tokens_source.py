@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -91,8 +92,10 @@ class TokenSplit:
                     else "prepare it again")
             raise ConfigError(f"data.path={directory}: the '{split}' split is empty; {hint}")
         dtype = np.dtype(manifest["dtype"])
-        store = storage.open_store(directory)
-        self.shards = [Shard(store, e, dtype, verify) for e in manifest["splits"][split]["shards"]]
+        store, entries = storage.open_store(directory), manifest["splits"][split]["shards"]
+        # each shard's checks are a few requests from a URL: many shards open concurrently
+        with ThreadPoolExecutor(storage.OPEN_THREADS if storage.is_url(directory) else 1) as pool:
+            self.shards = list(pool.map(lambda e: Shard(store, e, dtype, verify), entries))
         self.starts = np.cumsum([0] + [len(s.tokens) for s in self.shards]).tolist()
         self.doc_base = np.cumsum([0] + [len(s.offsets) - 1 for s in self.shards]).tolist()
 
