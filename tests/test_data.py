@@ -180,6 +180,11 @@ def test_large_files_split_into_parts_give_the_same_bytes(tok_path, tmp_path):
     def files(d):
         return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
     assert files(dirs["parts1"]) == files(dirs["parts2"])
+    (dirs["parts2"] / "parts" / "00000.0001.json").unlink()  # as if killed while writing that part
+    (dirs["parts2"] / "train" / "00000.0001.bin").unlink()
+    prepare.prepare([str(jsonl), str(table)], prepare.Options(str(tok_path), str(dirs["parts2"]), **opts),
+                    workers=2, say=lambda _: None, part_bytes=700)
+    assert files(dirs["parts1"]) == files(dirs["parts2"])
     for split in ("train", "eval"):
         assert split_docs(dirs["parts1"], split) == split_docs(dirs["whole"], split)
     bad = tmp_path / "bad.jsonl"
