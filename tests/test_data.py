@@ -87,8 +87,9 @@ class FakeGcs(http.server.BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def gcs():
     """gcs(DIR) -> a gs:// URL that tensorstore's real `gcs` driver reads DIR through, from a fake
-    GCS server on 127.0.0.1 (TENSORSTORE_GCS_HTTP_URL, a fixed bearer token)."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeGcs)
+    GCS server on 127.0.0.1 (TENSORSTORE_GCS_HTTP_URL, a fixed bearer token). Its listen backlog
+    holds the 32 connections a split opens with (the default 5 would drop some for a second)."""
+    server = type("Server", (http.server.ThreadingHTTPServer,), {"request_queue_size": 128})(("127.0.0.1", 0), FakeGcs)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     saved = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")}
     os.environ.update(TENSORSTORE_GCS_HTTP_URL=f"http://127.0.0.1:{server.server_address[1]}",
