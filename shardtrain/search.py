@@ -1,5 +1,7 @@
 """`shardtrain plan --search`: every data x pipeline x fsdp x tensor mesh of N devices (and
-micro-batch counts for pipelines), ranked by the planner's estimated step time.
+micro-batch counts for pipelines), ranked by the planner's estimated step time. The `expert` axis
+joins them for an MoE model (sizes dividing model.n_experts), `context` for sequences long enough
+to split (each device keeps 2 chunks of at least CONTEXT_MIN_CHUNK tokens).
 
 A mesh is valid when `step.build` accepts it: the sharding rules' divisibility errors
 (`sharding.spec_for`) and the pipeline's own checks are the filter. Valid meshes whose parameters
@@ -22,21 +24,40 @@ import yaml
 from tqdm import tqdm
 
 from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, sharding, step as step_lib
-from shardtrain.config import ConfigError, MeshConfig, RunConfig, dump, validate
+from shardtrain.config import MESH_AXES, ConfigError, MeshConfig, RunConfig, dump, validate
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def factorisations(n: int) -> list[dict[str, int]]:
-    """Every (data, pipeline, fsdp, tensor) with product n, each once."""
-    out = []
-    for d in divisors(n):
-        for p in divisors(n // d):
-            for f in divisors(n // d // p):
-                out.append({"data": d, "pipeline": p, "fsdp": f, "tensor": n // d // p // f})
-    return out
+BASE_AXES = ("data", "pipeline", "fsdp", "tensor")
+CONTEXT_MIN_CHUNK = 512
+"""Context parallelism is searched only where each of a device's two chunks keeps this many
+tokens: below that the ring's per-block overhead outweighs what splitting the sequence saves."""
+
+
+def factorisations(n: int, axes: tuple[str, ...] = BASE_AXES) -> list[dict[str, int]]:
+    """Every assignment of sizes to `axes` (the other mesh axes 1) with product n, each once."""
+    def split(n, axes):
+        if len(axes) == 1:
+            return [{axes[0]: n}]
+        return [{axes[0]: d, **rest} for d in divisors(n) for rest in split(n // d, axes[1:])]
+    return [{a: m.get(a, 1) for a in MESH_AXES} for m in split(n, tuple(a for a in MESH_AXES if a in axes))]
+
+
+def search_axes(cfg: RunConfig) -> tuple[str, ...]:
+    """The mesh axes worth searching for this model: the base four, `expert` for MoE, `context`
+    for long sequences."""
+    axes = BASE_AXES + (("expert",) if cfg.model.n_experts > 1 else ())
+    return axes + (("context",) if cfg.data.seq_len >= 4 * CONTEXT_MIN_CHUNK else ())
+
+
+def allowed(cfg: RunConfig, sizes: dict[str, int]) -> bool:
+    """Expert sizes divide the experts; context sizes leave chunks of CONTEXT_MIN_CHUNK tokens."""
+    if sizes["expert"] > 1 and cfg.model.n_experts % sizes["expert"]:
+        return False
+    return sizes["context"] == 1 or cfg.data.seq_len % (2 * sizes["context"] * CONTEXT_MIN_CHUNK) == 0
 
 
 def microbatch_counts(cfg: RunConfig, sizes: dict[str, int]) -> list[int | None]:
@@ -79,7 +100,7 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
     n = len(devices)
     limit = plan.per_device(chip, n).hbm_bytes
     rows, rejected, todo = [], [], []
-    for sizes in factorisations(n):
+    for sizes in (s for s in factorisations(n, search_axes(cfg)) if allowed(cfg, s)):
         reasons = []
         for m in microbatch_counts(cfg, sizes):
             try:
