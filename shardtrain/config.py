@@ -220,7 +220,8 @@ class DataConfig:
     windows with segment ids and positions."""
     path: Optional[str] = None
     """text: directory or glob of text files (default: the Python standard library's top-level .py
-    files). tokens: the directory `shardtrain prepare --out` wrote (local; gs:// is not read yet)."""
+    files). tokens: the directory `shardtrain prepare --out` wrote: a local path or gs://BUCKET/PATH (read by
+    byte range through tensorstore)."""
     seq_len: int = 128
     mixture: tuple[MixtureEntry, ...] = ()
     """tokens: several prepared directories sampled by weight instead of `path`, e.g.

@@ -141,9 +141,6 @@ def blocks_runner(cfg: RunConfig, mesh: Mesh) -> Callable:
     if cfg.model.n_experts > 1 or sharding.Constrain(cfg.rules, mesh).size("seq") > 1:
         raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.n_experts > 1) or context "
                           "parallelism (mesh.context > 1) yet; use mesh.pipeline=1")
-    if data.packed(cfg):
-        raise ConfigError(f"data.source={cfg.data.source} packs documents with segment ids, which the pipeline "
-                          "(mesh.pipeline > 1) does not carry yet; use mesh.pipeline=1")
     return pipeline.runner(cfg, mesh)
 
 

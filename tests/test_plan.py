@@ -17,7 +17,6 @@ from shardtrain import chips, cli, config, hlo, mesh as mesh_lib, pipeline, plan
 # The core still calls flax/optax APIs that flax 0.12.8 / optax 0.2.8 deprecate (for the core to fix).
 
 SMALL = TINY
-SMALL_LAYERS = 2  # model.n_layers in TINY
 MESHES = {"data": (8, 1, 1), "fsdp": (1, 8, 1), "tensor": (2, 1, 4), "combined": (2, 2, 2)}
 
 
@@ -72,10 +71,9 @@ def test_data_parallel_all_reduces_every_gradient_once(model):
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_fsdp_gathers_parameters_and_reduce_scatters_gradients(model):
-    # unrolled layers and a one-hot embedding: the CPU compiler writes every gradient's reduce-scatter
-    # as all-reduce + slice, which hlo.py recognises only outside a loop body (a rolled scan's
-    # per-layer reduction reads as an all-reduce), and a gather from the table adds an all-to-all
-    cfg = small_cfg(model, MESHES["fsdp"], "model.embed=one_hot", f"train.scan_unroll={SMALL_LAYERS}")
+    # the CPU compiler writes every gradient's reduce-scatter as all-reduce + slice by the partition
+    # id (inside the rolled layer scan too); a one-hot embedding, as a gather from the table adds an all-to-all
+    cfg = small_cfg(model, MESHES["fsdp"], "model.embed=one_hot")
     r = plan.plan_one(cfg, jax.devices(), chips.CHIPS["v5e"])
     sharded, replicated = analytical_params(model)
     c = r["collectives"]
@@ -274,6 +272,21 @@ def test_search_entry_point_prints_the_ranking_and_writes_the_top_row(tmp_path, 
     assert meshes == {tuple(m[a] for a in config.MESH_AXES) for m in search.factorisations(2)}
     best = config.load(str(out))
     assert {a: getattr(best.mesh, a) for a in config.MESH_AXES} == result["rows"][0]["mesh"]
+
+
+@pytest.mark.slow
+def test_search_across_slices_tries_each_split_of_the_slices(tmp_path, capsys):
+    # two granules (mesh.dcn) of one device each: the slices split over data, pipeline or fsdp
+    cfg = config.load(None, [*SMALL, "model.name=mlp", "mesh.dcn.data=2", f"run_dir={tmp_path / 'run'}"])
+    out = tmp_path / "best.yaml"
+    assert search.main(cfg, *plan.target(cfg, 2, chip="cpu"), as_json=True, write=str(out)) == 0
+    result = json.loads(capsys.readouterr().out)
+    tried = [r["dcn"] for r in result["rows"]] + [r["dcn"] for r in result["rejected"]]
+    assert {tuple(d[a] for a in ("data", "pipeline", "fsdp")) for d in tried} == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
+    assert all(r["mesh"] == dict.fromkeys(config.MESH_AXES, 1) for r in result["rows"])  # one device per slice
+    best = config.load(str(out))
+    assert {a: getattr(best.mesh.dcn, a) for a in config.MESH_AXES} == result["rows"][0]["dcn"]
+    assert "dcn" in search.format_table(result)
 
 
 def test_cli_bad_input_exits_2_with_the_fix(tmp_path):
