@@ -167,8 +167,9 @@ def test_every_shipped_tpu_config_fits_its_topology(path):
     r = plan.plan_one(short, devices, chip)
     assert r["compiler"] == "tpu" and r["chip"] == hw.chip
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    state = {c.model.n_layers: sharding.shard_bytes(step.build(c, mesh).abstract_state) for c in (cfg, short)}
-    rows = cfg.train.global_batch_size // cfg.train.grad_accum_steps // (mesh.shape["data"] * mesh.shape["fsdp"])
+    progs = {c.model.n_layers: step.build(c, mesh) for c in (cfg, short)}
+    state = {n: sharding.shard_bytes(p.abstract_state) for n, p in progs.items()}
+    rows = progs[2].batch_sharding.shard_shape(progs[2].batch_shape())[0] // cfg.train.grad_accum_steps
     saved = (cfg.model.n_layers - 2) * rows * cfg.data.seq_len * cfg.model.d_model * 2
     total = r["memory_per_device_bytes"]["total"] + state[cfg.model.n_layers] - state[2] + saved
     assert total <= chip.hbm_bytes, f"{path}: about {total / 2 ** 30:.2f} GiB per chip"

@@ -19,6 +19,7 @@ TARGETS = {  # config: (devices, devices per host, slices/hosts joined over DCN)
     "llama3_8b_v5p_128": (128, 4, 1),
     "llama3_70b_v5p_512": (512, 4, 1),
     "llama3_8b_gpu_8": (8, 8, 1),
+    "mixtral_8x7b_v5p_128": (128, 4, 1),
 }
 
 
@@ -45,8 +46,11 @@ def test_target_config_shards_its_model(name):
     assert prog.batch_sharding.spec[0] is not None
 
 
+TPU_COMPILED = ("llama3", "mixtral")  # test_plan_tpu compiles those
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in TARGETS if not n.startswith("llama3")])  # test_plan_tpu compiles those
+@pytest.mark.parametrize("name", [n for n in TARGETS if not n.startswith(TPU_COMPILED)])
 def test_target_step_traces_with_activation_constraints(name):
     """Tracing runs the model, so every activation constraint's divisibility is checked too; the
     step returns a state of the shapes it takes, and scalar metrics."""
