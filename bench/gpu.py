@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from shardtrain import chips, config, mesh as mesh_lib, metrics, step
+from shardtrain import chips, config, mesh as mesh_lib, step
 
 ONE_B = ["model.vocab_size=32768", "model.d_model=2048", "model.n_layers=18", "model.n_heads=16",
          "model.n_kv_heads=8", "model.d_ff=7168", "data.seq_len=2048", "train.global_batch_size=8",
@@ -54,7 +54,7 @@ def main(argv=None):
     step_s = statistics.median(times[5:] if len(times) > 6 else times[1:])
     tokens_per_s = cfg.train.global_batch_size * cfg.data.seq_len / step_s
     chip = chips.for_device_kind(device.device_kind)
-    flops = metrics.model_flops_per_token(cfg, n_params) * tokens_per_s
+    flops = prog.flops_per_token() * tokens_per_s
     mem = compiled.memory_analysis()
     print(json.dumps({
         "device": device.device_kind, "params_b": round(n_params / 1e9, 3), "attention": cfg.model.attention,
