@@ -102,7 +102,7 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         fields = {f.name for f in dataclasses.fields(RopeScalingConfig)} - {"type"}
         rope_scaling = RopeScalingConfig(type=kind, **{k: v for k, v in scaling.items() if k in fields})
     head_dim = hf.get("head_dim") or d // h
-    return ModelConfig(
+    return ModelConfig(sliding_window=sliding_window(hf, arch, where),
         name="gpt", vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=h,
         n_kv_heads=hf.get("num_key_value_heads") or h, d_ff=hf["intermediate_size"], rope_theta=float(theta),
         rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -111,9 +111,31 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM")
 
 
+def sliding_window(hf: dict, arch: str, where: str) -> int | None:
+    """The window every layer uses, as transformers decides it: Mistral's `sliding_window`; Qwen2 /
+    Qwen3's when use_sliding_window, on layers from max_window_layers on (or as `layer_types`
+    says). A mix of windowed and full layers is refused (one window for all our layers)."""
+    if arch == "LlamaForCausalLM":
+        return None
+    window = hf.get("sliding_window")
+    if arch != "MistralForCausalLM" and not hf.get("use_sliding_window", False):
+        window = None
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        first = 0 if arch == "MistralForCausalLM" else hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n)]
+    windowed = sum(t == "sliding_attention" for t in types)
+    if 0 < windowed < n:
+        raise ConfigError(f"{where}: {windowed} of {n} layers use sliding_window={window} and the others full "
+                          "attention (max_window_layers / layer_types); only one kind for all layers is supported")
+    return int(window) if windowed and window else None
+
+
 def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
     """config.json for our model config: `base` (the imported model's) updated, or a fresh one."""
-    arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+    arch = ("Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias
+            else "MistralForCausalLM" if m.sliding_window else "LlamaForCausalLM")
     out = dict(base) if base else {"architectures": [arch], "model_type": SUPPORTED[arch], "hidden_act": "silu",
                                    "max_position_embeddings": 4096, "attention_bias": False}
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
@@ -128,6 +150,15 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
                head_dim=m.head_dim or m.d_model // m.n_heads, rms_norm_eps=m.rms_norm_eps,
                tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
     out.pop("torch_dtype", None)
+    windowed = m.sliding_window is not None
+    if (out.get("architectures") or [arch])[0] == "MistralForCausalLM":
+        out["sliding_window"] = m.sliding_window
+    elif windowed or out.get("use_sliding_window"):  # Qwen: windowed on every layer, or on none
+        out.update(use_sliding_window=windowed, max_window_layers=0 if windowed else m.n_layers)
+        if windowed:
+            out["sliding_window"] = m.sliding_window
+        if "layer_types" in out:
+            out["layer_types"] = ["sliding_attention" if windowed else "full_attention"] * m.n_layers
     if m.rope_scaling is not None:
         out["rope_scaling"] = rope
     else:

@@ -232,10 +232,6 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     shutil.copyfile(src.dir / "config.json", out / HF_CONFIG)
     hf.copy_side_files(src.dir, out)
     n = sum(x.size for x in jax.tree.leaves(params))
-    window = src.hf.get("sliding_window") if src.hf.get("use_sliding_window", True) else None
-    if window:
-        say(f"note: {src.dir}/config.json sets sliding_window={window}; shardtrain attends to the whole "
-            f"context, which matches the model only up to {window} tokens")
     say(f"imported {hf.architecture(src.hf, '')} ({n / 1e6:.2f}M parameters) from {src.dir} to {out} "
         f"in {time.perf_counter() - t0:.1f} s; fine-tune with: shardtrain train {out / 'config.yaml'}")
 

@@ -65,7 +65,7 @@ def test_greedy_generation_equals_transformers(family):
     stopped = gen.generate([ref["prompt_ids"], short], 20)  # EOS (id 0) ends a row, EOS included
     eos_at = ref["new_ids"].index(0) + 1 if 0 in ref["new_ids"] else 20
     assert stopped[0] == ref["new_ids"][:eos_at]
-    if family == "llama":  # the left-padded row generates what it does alone
+    if family in ("llama", "mistral"):  # the left-padded row generates what it does alone (window too)
         assert out[1] == gen.generate([short], 20, stop_at_eos=False)[0]
 
 
@@ -147,6 +147,13 @@ def test_published_config_files_map_to_our_fields():
                "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
                "rope_theta": 1000000.0, "sliding_window": None, "vocab_size": 32768, "head_dim": 128}
     assert hf.model_config(mistral).head_dim is None  # 128 = 4096 / 32
+    mistral_v01 = hf.model_config({**mistral, "sliding_window": 4096})
+    assert mistral_v01.sliding_window == 4096 and hf.model_config(hf.hf_config(mistral_v01)) == mistral_v01
+    assert hf.model_config(qwen25_7b).sliding_window is None  # use_sliding_window false
+    qwen_windowed = hf.model_config({**qwen25_7b, "use_sliding_window": True, "max_window_layers": 0})
+    assert qwen_windowed.sliding_window == 131072 and hf.model_config(hf.hf_config(qwen_windowed)) == qwen_windowed
+    with pytest.raises(ConfigError, match="20 of 28 layers use sliding_window=131072 and the others full"):
+        hf.model_config({**qwen25_7b, "use_sliding_window": True, "max_window_layers": 8})
     with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
         hf.model_config({**qwen25_7b, "rope_scaling": {"type": "yarn", "factor": 4.0}})
 
