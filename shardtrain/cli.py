@@ -77,7 +77,7 @@ def cmd_plan(args) -> int:
 def cmd_prepare(args) -> int:
     from shardtrain import prepare
     opts = prepare.Options(tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,
-                           eval_fraction=args.eval_fraction, eos=args.eos)
+                           eval_fraction=args.eval_fraction, eos=args.eos, chat=args.chat)
     prepare.prepare(args.inputs, opts, workers=args.workers)
     return 0
 
@@ -178,6 +178,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of documents held out as `eval`")
     pr.add_argument("--eos", default=None, help="EOS token when the tokenizer has none of <eos> </s> <|endoftext|>")
     pr.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU, at most one per file)")
+    pr.add_argument("--chat", action="store_true", help="JSONL conversations ({\"messages\": [...]}) through the "
+                    "tokenizer's chat template; the loss counts only the assistant's tokens")
     pr.set_defaults(func=cmd_prepare)
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out split")
     ev.add_argument("config", help="the run's YAML config")

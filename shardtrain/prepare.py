@@ -7,6 +7,8 @@ Layout of the output directory DIR:
   train/NNNNN.bin            the split's tokens of input file NNNNN: a flat array (uint16 when the
                              vocabulary fits, else uint32), each document followed by EOS
   train/NNNNN.idx.npy        int64 document boundaries into that array (documents + 1 entries)
+  train/NNNNN.mask.bin       --chat only: uint8 per token, 1 for the assistant's tokens (the ones
+                             the loss counts; chat.py), 0 for the prompt's and the EOS
   eval/...                   the same for the held-out documents
   parts/NNNNN.json           completion marker of input file NNNNN (written last)
 
@@ -14,7 +16,8 @@ One input file is one unit of work: files are tokenized in parallel processes, a
 interrupted prepare skips every file whose marker matches its inputs and options. A document
 goes to `eval` when crc32("FILE:N") / 2**32 < --eval-fraction (N its index in FILE): the split
 depends on nothing but the file name, the document's place and the fraction.
-Documents: a text file is one document, a JSONL line or a Parquet row (field --text-field) one.
+Documents: a text file is one document, a JSONL line or a Parquet row (field --text-field) one;
+with --chat a JSONL line's `messages` rendered through the tokenizer's chat template.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardtrain import tokenize
+from shardtrain import chat, tokenize
 from shardtrain.config import ConfigError
 
 FORMAT = "shardtrain-tokens/1"
@@ -48,6 +51,8 @@ class Options:
     text_field: str = "text"
     eval_fraction: float = 0.0
     eos: str | None = None
+    chat: bool = False
+    """Conversations ({"messages": [...]} lines) through the chat template, with a loss mask."""
 
 
 def input_files(inputs: list[str]) -> list[str]:
@@ -114,29 +119,39 @@ def _marker_key(path: str, opts: Options, tokenizer_sha: str) -> dict:
     st = os.stat(path)
     return {"input": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "tokenizer_sha256": tokenizer_sha, "text_field": opts.text_field,
-            "eval_fraction": opts.eval_fraction, "eos": opts.eos}
+            "eval_fraction": opts.eval_fraction, "eos": opts.eos, "chat": opts.chat}
 
 
 class _SplitWriter:
-    def __init__(self, path: Path, dtype: np.dtype):
+    def __init__(self, path: Path, dtype: np.dtype, mask: bool = False):
         self.path, self.dtype = path, dtype
         self.tmp = path.with_suffix(".bin.tmp")
         self.file = open(self.tmp, "wb")
+        self.mask_path = path.with_suffix(".mask.bin") if mask else None
+        self.mask_file = open(self.mask_path.with_suffix(".tmp"), "wb") if mask else None
         self.sha, self.offsets = hashlib.sha256(), [0]
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         data = ids.astype(self.dtype).tobytes()
         self.file.write(data)
         self.sha.update(data)
         self.offsets.append(self.offsets[-1] + len(ids))
+        if self.mask_file is not None:
+            self.mask_file.write(mask.astype(np.uint8).tobytes())
 
     def abort(self) -> None:
         self.file.close()
         self.tmp.unlink(missing_ok=True)
+        if self.mask_file is not None:
+            self.mask_file.close()
+            Path(self.mask_file.name).unlink(missing_ok=True)
 
     def close(self) -> dict:
         self.file.close()
         os.replace(self.tmp, self.path)
+        if self.mask_file is not None:
+            self.mask_file.close()
+            os.replace(self.mask_file.name, self.mask_path)
         np.save(self.path.with_suffix(".idx.npy"), np.asarray(self.offsets, dtype=np.int64))
         return {"tokens": self.offsets[-1], "documents": len(self.offsets) - 1, "sha256": self.sha.hexdigest()}
 
@@ -147,20 +162,32 @@ def prepare_file(task: tuple[int, str, Options, dict]) -> dict:
     tok = tokenize.load(opts.tokenizer, opts.eos)
     out = Path(opts.out)
     dtype = token_dtype(tok.vocab_size)
-    writers = {s: _SplitWriter(out / s / f"{k:05d}.bin", dtype) for s in SPLITS}
+    writers = {s: _SplitWriter(out / s / f"{k:05d}.bin", dtype, mask=opts.chat) for s in SPLITS}
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
-    pending: list[str] = []
+    pending: list = []
+    template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent) if opts.chat else None
 
     def flush(first_index: int):
-        for j, ids in enumerate(tok.encode_batch(pending)):
+        if template is None:
+            encoded = [(ids, None) for ids in tok.encode_batch(pending)]
+        else:
+            encoded = chat.encode(tok, [t for t, _ in pending], [s for _, s in pending])
+        for j, (ids, mask) in enumerate(encoded):
             split = "eval" if is_eval(os.path.basename(path), first_index + j, opts.eval_fraction) else "train"
-            writers[split].add(np.concatenate([ids, eos]))
+            writers[split].add(np.concatenate([ids, eos]), None if mask is None else np.append(mask, 0))
+
+    def texts():
+        if template is None:
+            yield from documents(path, opts.text_field)
+            return
+        for where, messages in chat.conversations(path):
+            yield template.render(messages, where)
 
     index = chars = 0
     try:
-        for text in documents(path, opts.text_field):
+        for text in texts():
             pending.append(text)
-            chars += len(text)
+            chars += len(text if template is None else text[0])
             if chars >= ENCODE_CHARS:
                 flush(index)
                 index, chars, pending = index + len(pending), 0, []
@@ -192,10 +219,18 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
         raise ConfigError(f"--eval-fraction: must be in [0, 1), got {opts.eval_fraction}")
     files = input_files(inputs)
     tok = tokenize.load(opts.tokenizer, opts.eos)  # a bad tokenizer or --eos fails here, before any work
+    tok_sha = hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() if tok.name != "bytes" else "bytes"
+    if opts.chat:  # no template, or an input that is not JSONL: an error before any work
+        if tok.name == "bytes":
+            raise ConfigError("--chat needs a Hugging Face tokenizer directory with a chat template, not `bytes`")
+        template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent)
+        tok_sha += hashlib.sha256(template.source.encode()).hexdigest()
+        for f in files:
+            if ".jsonl" not in Path(f).suffixes:
+                raise ConfigError(f"{f}: --chat reads JSONL files (a {{'messages': [...]}} per line), not this")
     out = Path(opts.out)
     for d in (*SPLITS, "parts"):
         (out / d).mkdir(parents=True, exist_ok=True)
-    tok_sha = hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() if tok.name != "bytes" else "bytes"
     tasks = [(k, f, opts, _marker_key(f, opts, tok_sha)) for k, f in enumerate(files)]
     markers = {k: _done(out, k, key) for k, _, _, key in tasks}
     todo = [t for t in tasks if markers[t[0]] is None]
@@ -220,10 +255,12 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
     if tok.name != "bytes":
         shutil.copyfile(tok.path, out / "tokenizer.json")
     manifest = {"format": FORMAT, "tokenizer": "bytes" if tok.name == "bytes" else "tokenizer.json",
-                "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": token_dtype(tok.vocab_size).name,
+                "loss_mask": opts.chat, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                "dtype": token_dtype(tok.vocab_size).name,
                 "options": {k: v for k, v in asdict(opts).items() if k != "out"}, "splits": {}}
     for split in SPLITS:
-        shards = [{"file": f"{split}/{k:05d}.bin", "index": f"{split}/{k:05d}.idx.npy", **markers[k][split]}
+        shards = [{"file": f"{split}/{k:05d}.bin", "index": f"{split}/{k:05d}.idx.npy", **markers[k][split],
+                   **({"mask": f"{split}/{k:05d}.mask.bin"} if opts.chat else {})}
                   for k in sorted(markers) if markers[k][split]["tokens"]]
         manifest["splits"][split] = {"tokens": sum(s["tokens"] for s in shards),
                                      "documents": sum(s["documents"] for s in shards), "shards": shards}
