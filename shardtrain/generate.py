@@ -25,15 +25,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardtrain import config as config_lib, mesh as mesh_lib, sharding, step as step_lib, weights
+from shardtrain import config as config_lib, mesh as mesh_lib, sharding, step as step_lib, tokenize, weights
 
 
-def load_tokenizer(files_dir: Path | None):
-    """The `tokenizers.Tokenizer` of a model directory's tokenizer.json (None if there is none)."""
+def load_tokenizer(files_dir: Path | None) -> tokenize.HfTokenizer | None:
+    """The tokenizer of a model directory's tokenizer.json (None if there is none), loaded as
+    `shardtrain prepare` loads it; EOS comes from the model's config (`eos_ids`)."""
     if files_dir is None or not (files_dir / "tokenizer.json").is_file():
         return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(files_dir / "tokenizer.json"))
+    return tokenize.HfTokenizer(files_dir / "tokenizer.json", require_eos=False)
 
 
 def eos_ids(source: weights.Source, tokenizer) -> list[int]:
@@ -106,10 +106,10 @@ class Generator:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise config_lib.ConfigError("generate: no tokenizer.json beside these weights; pass token ids instead")
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=True)  # BOS where the tokenizer adds one
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False) if self.tokenizer else ""
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True,

@@ -11,10 +11,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, processors, trainers
 
 import models
-from shardtrain import chat, cli, mesh as mesh_lib, prepare, step, tokenize, tokens_source
+from shardtrain import chat, cli, generate, mesh as mesh_lib, prepare, step, tokenize, tokens_source
 from shardtrain.config import ConfigError
 
 SPECIAL = ["<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -47,6 +47,8 @@ def tokenizer_dir(root, template):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([" ".join(WORDS)] * 4, trainers.BpeTrainer(
         vocab_size=300, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(  # Llama's: BOS before every encoded text
+        single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}, "chat_template": template}))
@@ -96,6 +98,17 @@ def test_mask_marks_exactly_the_assistant_tokens(chat_data, kind):
     assert mask.sum() > 0 and (mask == 0).sum() > mask.sum() / 2
     window = tokens_source.PackedWindows(split, 16, 320)[1]
     assert window["loss_mask"].tolist() == mask[16:32].tolist()
+
+
+def test_one_tokenizer_loader_special_tokens_by_switch(chat_data):
+    """prepare encodes without the post-processor's BOS (the template writes it: one BOS per
+    conversation, checked above); generate loads the same class and encodes prompts with it."""
+    tok_dir = chat_data[1]["plain"][0]
+    gen_tok = generate.load_tokenizer(tok_dir)
+    assert isinstance(gen_tok, tokenize.HfTokenizer)
+    bos, plain = gen_tok.token_to_id("<bos>"), gen_tok.encode("the cat sat")
+    assert plain and bos not in plain and gen_tok.encode("the cat sat", add_special_tokens=True) == [bos, *plain]
+    assert tokenize.load(str(tok_dir)).encode_batch(["the cat sat"])[0].tolist() == plain
 
 
 def packed_batch(tok, rows: int, width: int):
