@@ -4,6 +4,7 @@ those tokens of each conversation run alone (2x2x2 with gradient accumulation an
 and malformed input exits 2 naming FILE:LINE."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ def tokenizer_dir(root, template):
         single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}, "chat_template": template}))
+        {"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": template}))
     return d
 
 
@@ -160,6 +161,25 @@ def test_train_step_loss_is_the_mean_over_assistant_tokens_sharded_and_one_devic
     ce_nt = optax.softmax_cross_entropy_with_integer_labels(logits_ntv, jnp.asarray(ids_nt[:, 1:]))
     want = float((ce_nt * mask_nt[:, 1:]).sum() / mask_nt[:, 1:].sum())
     assert abs(sharded - want) < 1e-5 * want and abs(one - want) < 1e-5 * want, (sharded, one, want)
+
+
+def test_renders_as_transformers_apply_chat_template(chat_data):
+    """The text (ChatML, the Qwen2 fixture's template) and the {% generation %} mask are what
+    transformers' apply_chat_template makes of the same conversations."""
+    transformers = pytest.importorskip("transformers")
+    fixture = Path(__file__).parent / "fixtures"
+    rows = [json.loads(line)["messages"] for line in (fixture / "chat.jsonl").read_text().splitlines()]
+    ours, theirs = chat.ChatTemplate(fixture / "hf" / "qwen2"), transformers.AutoTokenizer.from_pretrained(
+        fixture / "hf" / "qwen2")
+    for messages in rows:
+        assert ours.render(messages, "x")[0] == theirs.apply_chat_template(messages, tokenize=False)
+    tok_dir = chat_data[1]["tracked"][0]
+    ours, theirs = chat.ChatTemplate(tok_dir), transformers.AutoTokenizer.from_pretrained(tok_dir)
+    tok = tokenize.load(str(tok_dir))
+    for messages in CONVERSATIONS[:6]:
+        ids, mask = chat.encode(tok, *map(list, zip(ours.render(messages, "x"))))[0]
+        out = theirs.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert ids.tolist() == list(out["input_ids"]) and mask.tolist() == list(out["assistant_masks"])
 
 
 def run_cli(capsys, *argv):
