@@ -105,6 +105,7 @@ def cmd_import_hf(args) -> int:
 def cmd_export_hf(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import weights
+    distributed.initialize()  # on every host of a multi-host run: process 0 writes (hf.export)
     weights.export_hf(args.source, args.out_dir, args.dtype, args.max_shard_size)
     return 0
 

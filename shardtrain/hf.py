@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -317,9 +318,15 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
            dtype: str = "float32", max_shard_bytes: int = 5 * 2 ** 30, side_files: Path | None = None) -> list[Path]:
     """Writes `params` (our tree, jax or numpy arrays) as an HF model directory: config.json,
     safetensors shards (with an index when there are several), tokenizer files. One layer's
-    tensor is fetched from the devices at a time. Returns the safetensors files written."""
+    tensor is fetched from the devices at a time. Returns the safetensors files written.
+
+    In a run of several processes every process calls this (a tensor spread over them is
+    gathered with `process_allgather`, a collective, in the same order everywhere) and process 0
+    alone writes; the others stream the same bytes to os.devnull."""
+    writer = jax.process_index() == 0
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
     np_dtype = np.dtype(safetensors_io.DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
     specs, fetch = [], {}
     for entry in tensor_map(m):
@@ -330,7 +337,12 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
 
     def produce(name):
         entry, array, i = fetch[name]
-        host = np.asarray(jax.device_get(array if i is None else array[i]))
+        x = array if i is None else array[i]
+        if getattr(x, "is_fully_addressable", True):
+            host = np.asarray(jax.device_get(x))
+        else:  # a tensor spread over several processes: every process gets the whole of it
+            from jax.experimental import multihost_utils
+            host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return entry.to_hf(host.astype(np.float32)).astype(np_dtype)
 
     shards, size = [[]], 0
@@ -344,7 +356,9 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
     files = [out / ("model.safetensors" if len(shards) == 1 else f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors")
              for j in range(len(shards))]
     for path, shard in zip(files, shards):
-        safetensors_io.write(path, shard, produce, metadata={"format": "pt"})
+        safetensors_io.write(path if writer else os.devnull, shard, produce, metadata={"format": "pt"})
+    if not writer:
+        return files
     if len(shards) > 1:
         total = sum(int(np.prod(s[1])) * np_dtype.itemsize for s in specs)
         index = {"metadata": {"total_size": total},

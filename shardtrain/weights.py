@@ -262,5 +262,6 @@ def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shar
     params = merge_adapters(source.params(prog.abstract_state["params"]), source.model)
     files = hf.export(params, source.model, out_dir, base=base, dtype=dtype, max_shard_bytes=limit,
                       side_files=source.files_dir)
-    say(f"exported {source.step_dir or source.path} to {out_dir} ({len(files)} safetensors file"
-        f"{'s' * (len(files) > 1)}, {dtype}) in {time.perf_counter() - t0:.1f} s")
+    if jax.process_index() == 0:
+        say(f"exported {source.step_dir or source.path} to {out_dir} ({len(files)} safetensors file"
+            f"{'s' * (len(files) > 1)}, {dtype}) in {time.perf_counter() - t0:.1f} s")
