@@ -119,7 +119,7 @@ def _marker_key(path: str, opts: Options, tokenizer_sha: str) -> dict:
     st = os.stat(path)
     return {"input": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "tokenizer_sha256": tokenizer_sha, "text_field": opts.text_field,
-            "eval_fraction": opts.eval_fraction, "eos": opts.eos, "chat": opts.chat}
+            "eval_fraction": opts.eval_fraction, "eos": opts.eos, **({"chat": True} if opts.chat else {})}
 
 
 class _SplitWriter:

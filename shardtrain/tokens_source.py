@@ -215,5 +215,7 @@ def describe(cfg: RunConfig) -> str:
         m = read_manifest(d)
         pad = (f", model.vocab_size {cfg.model.vocab_size} pads it by {cfg.model.vocab_size - m['vocab_size']}"
                if cfg.model.vocab_size > m["vocab_size"] else "")
-        lines.append(f"{d}: {m['splits']['train']['tokens']} train tokens, tokenizer vocab {m['vocab_size']}{pad}")
+        chat = ", loss on the assistant's tokens (chat)" if m.get("loss_mask") else ""
+        lines.append(f"{d}: {m['splits']['train']['tokens']} train tokens, tokenizer vocab {m['vocab_size']}"
+                     f"{pad}{chat}")
     return "data: " + "; ".join(lines)
