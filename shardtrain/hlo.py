@@ -288,13 +288,40 @@ def group_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str
     return tuple(names[i] for i in sorted(spanned))
 
 
-def _sliced_by_partition(comp: list[Instr], name: str) -> set[int]:
+def _partition_scalars(comps: dict[str, list[Instr]]) -> dict[str, set[str]]:
+    """Per computation, the scalars derived from the partition id, followed into while bodies
+    through loop-invariant tuple elements (a rolled scan computes its shard offsets outside the loop)."""
+    tainted: dict[str, set[str]] = defaultdict(set)
+    carried: dict[str, set[int]] = defaultdict(set)  # body -> tainted tuple indices of its parameter
+    names = [n for n in comps if n != "__entry__"]
+    for name in reversed(names):  # callers are printed after their callees
+        comp, t = comps[name], tainted[name]
+        params = {i.name for i in comp if i.opcode == "parameter"}
+        for ins in comp:
+            if ins.opcode in ("partition-id", "replica-id"):
+                t.add(ins.name)
+            elif ins.opcode == "get-tuple-element" and ins.operands[0] in params and \
+                    int(re.search(r"index=(\d+)", ins.line).group(1)) in carried[name]:
+                t.add(ins.name)
+            elif ins.shape.split("{")[0].endswith("[]") and t.intersection(ins.operands):
+                t.add(ins.name)
+        by_name = {i.name: i for i in comp}
+        for ins in comp:
+            body = re.search(r"\bbody=%([\w.\-]+)", ins.line) if ins.opcode == "while" else None
+            init = by_name.get(ins.operands[0]) if body else None
+            if init is None or init.opcode != "tuple" or body.group(1) not in comps:
+                continue
+            root = comps[body.group(1)][-1]
+            gte = {i.name: int(re.search(r"index=(\d+)", i.line).group(1))
+                   for i in comps[body.group(1)] if i.opcode == "get-tuple-element"}
+            carried[body.group(1)] |= {k for k, op in enumerate(init.operands) if op in t and root.opcode == "tuple"
+                                       and k < len(root.operands) and gte.get(root.operands[k]) == k}
+    return tainted
+
+
+def _sliced_by_partition(comp: list[Instr], name: str, tainted: set[str]) -> set[int]:
     """Tuple indices (or {-1} for a plain result) of all-reduce `name` whose every consumer also
     takes a value derived from the partition id (a dynamic-slice of this device's shard)."""
-    tainted = {i.name for i in comp if i.opcode in ("partition-id", "replica-id")}
-    for ins in comp:
-        if ins.shape.split("{")[0].endswith("[]") and tainted.intersection(ins.operands):
-            tainted.add(ins.name)
     consumers = defaultdict(list)
     index_of = {name: -1}
     for ins in comp:
@@ -312,6 +339,7 @@ def collectives(text: str, mesh_shape: dict[str, int]) -> list[Collective]:
     """Every collective of the module (one entry per instruction and kind)."""
     comps = parse_module(text)
     mult = multipliers(comps)
+    tainted = _partition_scalars(comps)
     n_devices = math.prod(mesh_shape.values())
     out = []
     for cname, comp in comps.items():
@@ -333,7 +361,7 @@ def collectives(text: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 sizes = [(dtype, b * n) for dtype, b in sizes]  # the printed shape is the result
             parts = defaultdict(list)
             if kind == "all-reduce":
-                sliced = _sliced_by_partition(comp, ins.name)
+                sliced = _sliced_by_partition(comp, ins.name, tainted[cname])
                 for i, part in enumerate(sizes):
                     parts["reduce-scatter" if (i in sliced or (-1 in sliced and len(sizes) == 1))
                           else "all-reduce"].append(part)

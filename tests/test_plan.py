@@ -17,7 +17,6 @@ from shardtrain import chips, cli, config, hlo, mesh as mesh_lib, pipeline, plan
 # The core still calls flax/optax APIs that flax 0.12.8 / optax 0.2.8 deprecate (for the core to fix).
 
 SMALL = TINY
-SMALL_LAYERS = 2  # model.n_layers in TINY
 MESHES = {"data": (8, 1, 1), "fsdp": (1, 8, 1), "tensor": (2, 1, 4), "combined": (2, 2, 2)}
 
 
@@ -72,10 +71,9 @@ def test_data_parallel_all_reduces_every_gradient_once(model):
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_fsdp_gathers_parameters_and_reduce_scatters_gradients(model):
-    # unrolled layers and a one-hot embedding: the CPU compiler writes every gradient's reduce-scatter
-    # as all-reduce + slice, which hlo.py recognises only outside a loop body (a rolled scan's
-    # per-layer reduction reads as an all-reduce), and a gather from the table adds an all-to-all
-    cfg = small_cfg(model, MESHES["fsdp"], "model.embed=one_hot", f"train.scan_unroll={SMALL_LAYERS}")
+    # the CPU compiler writes every gradient's reduce-scatter as all-reduce + slice by the partition
+    # id (inside the rolled layer scan too); a one-hot embedding, as a gather from the table adds an all-to-all
+    cfg = small_cfg(model, MESHES["fsdp"], "model.embed=one_hot")
     r = plan.plan_one(cfg, jax.devices(), chips.CHIPS["v5e"])
     sharded, replicated = analytical_params(model)
     c = r["collectives"]

@@ -16,6 +16,9 @@ TARGETS = {  # config: (devices, devices per host, slices/hosts joined over DCN)
     "tpu_v5p_2slices": (256, 4, 2),
     "gpu_1x8": (8, 8, 1),
     "gpu_2x8": (16, 8, 2),
+    "llama3_8b_v5p_128": (128, 4, 1),
+    "llama3_70b_v5p_512": (512, 4, 1),
+    "llama3_8b_gpu_8": (8, 8, 1),
 }
 
 
@@ -31,7 +34,7 @@ def test_target_config_shards_its_model(name):
     devices, per_host, granules = TARGETS[name]
     cfg, prog = target_program(name)
     n_params = prog.param_count()
-    assert 3e8 < n_params < 5e9, f"{name}: {n_params / 1e9:.2f}B parameters is not a realistic size"
+    assert 3e8 < n_params < 1e11, f"{name}: {n_params / 1e9:.2f}B parameters is not a realistic size"
     assert math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES) == granules
     assert per_host % cfg.mesh.tensor == 0, "tensor parallelism must stay within a host"
     assert cfg.mesh.dcn.tensor == 1
@@ -43,7 +46,7 @@ def test_target_config_shards_its_model(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TARGETS)
+@pytest.mark.parametrize("name", [n for n in TARGETS if not n.startswith("llama3")])  # test_plan_tpu compiles those
 def test_target_step_traces_with_activation_constraints(name):
     """Tracing runs the model, so every activation constraint's divisibility is checked too; the
     step returns a state of the shapes it takes, and scalar metrics."""
