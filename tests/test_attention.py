@@ -1,6 +1,7 @@
 """Every attention implementation against the XLA reference (fp32), with packed documents,
 sharded over a 2x2x2 mesh; splash in the Pallas interpreter and compiled for a TPU topology."""
 
+import functools
 import os
 
 import jax
@@ -58,20 +59,30 @@ def test_matches_reference_unsharded(impl, packed):
 @pytest.mark.parametrize("impl", ["xla", "chunked", "splash"])
 def test_sliding_window_matches_reference(impl):
     """A 50-token window over packed documents: chunked (chunks of 32) reads 3 of its 4 key chunks
-    per query chunk; gradients too."""
+    per query chunk, and its own backward pass is checked too (xla and splash differentiate masks
+    that jax / Pallas apply)."""
     q, k, v = qkv(3, t=128)
     seg = packed_segments(t=128)
     if impl == "chunked":
-        fn = jax.jit(lambda q, k, v: attention.chunked(q, k, v, seg, chunk=32, window=50))
+        fn = functools.partial(attention.chunked, segment_ids_bt=seg, chunk=32, window=50)
     else:
-        fn = jax.jit(lambda q, k, v: attention.attend(q, k, v, segment_ids_bt=seg, impl=impl, window=50))
-    ref = jax.jit(lambda q, k, v: reference(q, k, v, seg, window=50))
-    assert not np.allclose(ref(q, k, v), reference(q, k, v, seg), atol=1e-3)  # the window matters here
-    np.testing.assert_allclose(fn(q, k, v), ref(q, k, v), atol=2e-5, rtol=1e-5)
-    if impl == "chunked":  # its own backward (the skipped key chunks); xla and splash mask in jax/Pallas
-        got, want = (jax.grad(lambda *a, f=f: (f(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v) for f in (fn, ref))
-        for g, r in zip(got, want):
-            np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+        fn = functools.partial(attention.attend, segment_ids_bt=seg, impl=impl, window=50)
+
+    def out_and_grads(f):
+        def loss(q, k, v):
+            o = f(q, k, v)
+            return (o ** 2).sum(), o
+        if impl != "chunked":
+            return jax.jit(f)(q, k, v), ()
+        (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return o, grads
+
+    got, got_grads = out_and_grads(fn)
+    want, want_grads = out_and_grads(lambda q, k, v: reference(q, k, v, seg, window=50))
+    assert not np.allclose(want, reference(q, k, v, seg), atol=1e-3)  # the window matters here
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    for g, r in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
 
 
 def test_chunked_several_chunks_and_gradients():
