@@ -221,8 +221,9 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
     tok = tokenize.load(opts.tokenizer, opts.eos)  # a bad tokenizer or --eos fails here, before any work
     tok_sha = hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() if tok.name != "bytes" else "bytes"
     if opts.chat:  # no template, or an input that is not JSONL: an error before any work
-        if tok.name == "bytes":
-            raise ConfigError("--chat needs a Hugging Face tokenizer directory with a chat template, not `bytes`")
+        if not isinstance(tok, tokenize.HfTokenizer):  # chat.encode reads a tokenizer.json's character offsets
+            raise ConfigError(f"--chat needs a Hugging Face tokenizer directory with a chat template, not "
+                              f"`{opts.tokenizer}`")
         template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent)
         tok_sha += hashlib.sha256(template.source.encode()).hexdigest()
         for f in files:
