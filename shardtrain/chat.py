@@ -51,7 +51,7 @@ def find_template(tokenizer_dir: Path) -> tuple[str, str]:
             if isinstance(template, str):
                 return template, f"{path}:chat_template"
     raise ConfigError(f"--chat: {tokenizer_dir} has no chat template (chat_template.jinja, or chat_template in "
-                      "tokenizer_config.json); give the --tokenizer directory of a chat model, or add one")
+                      "tokenizer_config.json); use a chat model's tokenizer files, or add a template there")
 
 
 def special_tokens(tokenizer_dir: Path) -> dict[str, str]:
@@ -130,6 +130,14 @@ class ChatTemplate:
             return "".join(self.env.rendered_blocks)
         finally:
             self.env.generation_spans = self.env.rendered_blocks = None
+
+    def prompt(self, messages: list, where: str = "generate --chat") -> str:
+        """The text that asks the model for the next assistant turn (add_generation_prompt)."""
+        import jinja2
+        try:
+            return self._render(messages, True)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"{where}: the chat template failed: {e}") from None
 
     def render(self, messages: list, where: str) -> tuple[str, list[tuple[int, int]]]:
         """(text, character spans of the assistant's turns) of one conversation."""

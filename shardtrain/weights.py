@@ -91,6 +91,7 @@ def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
 
 def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     """Only `params` of a checkpoint step (the optimizer state, if any, is not read)."""
+    step_dir = Path(step_dir).absolute()  # orbax's metadata of a relative path has no tree (orbax 0.12.8)
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     saved = ckptr.metadata(step_dir / "state")
     saved = getattr(saved, "item_metadata", saved)
@@ -220,7 +221,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
         raise config_lib.ConfigError(f"import-hf: {out} already holds checkpoints; give a new OUT_DIR")
     cfg = config_lib.load(None, ["mesh.fsdp=-1", f"run_dir={out}", f"checkpoint.init_from={out}",
                                  "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", *overrides])
-    cfg = dataclasses.replace(cfg, model=src.model, name=out.name)
+    cfg = dataclasses.replace(cfg, model=src.model, name=f"{out.name}-ft")  # its runs: runs/NAME-ft, not OUT_DIR
     config_lib.validate(cfg)
     prog = program_for(cfg)
     params = src.params(prog.abstract_state["params"])

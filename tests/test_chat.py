@@ -170,6 +170,11 @@ def test_renders_as_transformers_apply_chat_template(chat_data):
         fixture / "hf" / "qwen2")
     for messages in rows:
         assert ours.render(messages, "x")[0] == theirs.apply_chat_template(messages, tokenize=False)
+    gen = generate.Generator(None, None, None, generate.load_tokenizer(fixture / "hf" / "qwen2"),
+                             files_dir=fixture / "hf" / "qwen2")  # generate --chat's prompt ids
+    asked = [{"role": "user", "content": "Reverse a list."}]
+    assert gen.encode_chat("Reverse a list.") == list(theirs.apply_chat_template(
+        asked, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
     tok_dir = chat_data[1]["tracked"][0]
     ours, theirs = chat.ChatTemplate(tok_dir), transformers.AutoTokenizer.from_pretrained(tok_dir)
     tok = tokenize.load(str(tok_dir))

@@ -95,11 +95,16 @@ def test_sampling_is_seeded_and_top_p_keeps_the_smallest_set_reaching_p():
     assert np.array_equal(draw(0.9, 1), draw(0.9, 1)) and not np.array_equal(draw(0.9, 1), draw(0.9, 2))
 
 
-def test_import_then_export_round_trips_bit_exactly(tmp_path):
+def test_import_then_export_round_trips_bit_exactly(tmp_path, monkeypatch):
     src = FIXTURES / "qwen3"  # sharded with an index, bf16
     weights.import_hf(str(src), str(tmp_path / "imp"), say=lambda _: None)
     assert (tmp_path / "imp" / "config.yaml").exists() and (tmp_path / "imp" / "tokenizer.json").exists()
-    weights.export_hf(str(tmp_path / "imp"), str(tmp_path / "exp"), max_shard_size="30KB", say=lambda _: None)
+    assert "name: imp-ft" in (tmp_path / "imp" / "config.yaml").read_text()  # runs go to runs/imp-ft
+    with pytest.raises(SystemExit) as e:  # a run directory that is the import's own would resume from it
+        cli.main(["train", str(tmp_path / "imp" / "config.yaml"), f"run_dir={tmp_path / 'imp'}"])
+    assert e.value.code == 2
+    monkeypatch.chdir(tmp_path)  # relative paths, as typed on a command line
+    weights.export_hf("imp", "exp", max_shard_size="30KB", say=lambda _: None)
     a = safetensors_io.Reader(hf.safetensors_files(src))
     b = safetensors_io.Reader(hf.safetensors_files(tmp_path / "exp"))
     assert sorted(a.names()) == sorted(b.names())
