@@ -3,10 +3,14 @@
 (leading logical axis `layers`, each block `block(x_btd, segment_ids_bt=None, positions_bt=None) -> x_btd`;
 None means one document per row at positions 0..T-1), `head(x_btd) -> logits_btv` and
 `flops_per_token(model_cfg, n_params, seq_len)` (training FLOPs, for MFU and the planner).
-Models name logical axes only; `constrain(x, names)` is handed in by the trainer."""
+A block may return `(x_btd, aux)`, aux a dict of scalar auxiliary losses (an MoE router's), which
+the trainer adds to the objective. Models name logical axes only; `constrain(x, names)` is
+handed in by the trainer, with `constrain.size(name)` (ways a logical axis is split) and
+`constrain.shard_map(fn, in_names, out_names)` (fn(shard, *local arrays) per device)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 
@@ -49,13 +53,18 @@ def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
 
 def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None, unroll: int = 1):
     """Runs stacked blocks in order with a rolled lax.scan (`unroll` layers per iteration), so the
-    program does not grow with depth; `wrap` decorates the per-layer body (remat)."""
+    program does not grow with depth; `wrap` decorates the per-layer body (remat).
+
+    A block returns `x` or `(x, aux)`, `aux` a dict of scalar auxiliary losses (an MoE router's);
+    then this returns `(x, aux)` with each loss summed over the layers, for the trainer to add."""
     graphdef, state = nnx.split(blocks)
 
     @wrap
     def body(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x, segment_ids, positions), None
-    return jax.lax.scan(body, x, state, unroll=unroll)[0]
+        out = nnx.merge(graphdef, layer_state)(x, segment_ids, positions)
+        return out if isinstance(out, tuple) else (out, {})
+    x, aux = jax.lax.scan(body, x, state, unroll=unroll)
+    return (x, jax.tree.map(lambda a: a.sum(0), aux)) if aux else x
 
 
 # The two helpers below are the models' own arithmetic written in a form that suits the compilers,
@@ -63,20 +72,24 @@ def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=N
 # shardtrain). Both compute exactly what the plain form would (an einsum, a gather).
 
 
-def dense(x, w, n_in=1):
+def dense(x, w, n_in=1, flat=True):
     """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul: the same
     numbers as `einsum("...k,k...")`, and XLA's CPU backend runs (N, K) @ (K, M) much faster than a
-    batched einsum, backward too (the simulated-device tests and demo run on CPU)."""
+    batched einsum, backward too (the simulated-device tests and demo run on CPU). `flat=False`
+    keeps x's leading dims (a tensordot): when both batch and sequence are split over devices
+    (context parallelism) XLA cannot merge them without gathering the sequence."""
+    if not flat:
+        return jnp.tensordot(x, w, axes=n_in)
     lead, k = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in])
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
 
 
-def embed_lookup(table_vd, tokens_bt, how: str = "gather"):
+def embed_lookup(table_vd, tokens_bt, how: str = "gather", flat: bool = True):
     """Token embeddings: `gather` takes rows of the table (no B x T x V intermediate, no 2 V D
     FLOPs per token); `one_hot` is a one-hot matmul, which shards cleanly over a vocab-sharded
     table (a gather from one makes XLA replicate the table) and is fast for tiny vocabularies."""
     if how == "one_hot":
-        return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd)
+        return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd, flat=flat)
     return jnp.take(table_vd, tokens_bt, axis=0)
 
 
@@ -87,6 +100,43 @@ def matmul_params(cfg, n_params: int) -> int:
     return n_params - (cfg.vocab_size * cfg.d_model if looked_up else 0)
 
 
-def no_constraint(x, names):
-    return x
+class Whole:
+    """The per-shard view of unsharded arrays: every logical axis whole, collectives are identities
+    (the trainer's `Constrain.shard_map` hands in the real one, `shardtrain.sharding.Shard`)."""
 
+    def size(self, name):
+        return 1
+
+    def index(self, name):
+        return 0
+
+    def psum(self, x, name):
+        return x
+
+    def all_gather(self, x, name, axis):
+        return x
+
+    def all_to_all(self, x, name, axis=0):
+        return x
+
+    def ring_shift(self, x, name):
+        return x
+
+
+class NoConstraint:
+    """The `constrain` a model gets when nobody shards it: no constraints, one shard, the default
+    backend (the trainer's is `shardtrain.sharding.Constrain`, with the same four members)."""
+
+    platform = None
+
+    def __call__(self, x, names):
+        return x
+
+    def size(self, name):
+        return 1
+
+    def shard_map(self, fn, in_names, out_names):
+        return functools.partial(fn, Whole())
+
+
+no_constraint = NoConstraint()

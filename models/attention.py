@@ -1,6 +1,7 @@
 """Causal grouped-query attention by implementation: one function the decoder calls.
 
-    o_bthe = attend(q_bthe, k_btke, v_btke, segment_ids_bt=None, impl="auto", constrain=None, window=None)
+    o_bthe = attend(q_bthe, k_btke, v_btke, segment_ids_bt=None, positions_bt=None, impl="auto",
+                    constrain=None, window=None)
 
 Shapes: B batch, T sequence, H query heads, K key/value heads (K divides H, G = H / K queries per
 key head), E head dim. q is not pre-scaled: every implementation scales scores by E**-0.5.
@@ -13,7 +14,7 @@ document; None means one document per row. `window` W (sliding-window attention,
 - `chunked`: flash-style in plain XLA: a scan over query chunks, inside it a scan over key chunks
   with an online softmax; never holds more than one chunk x chunk block of scores per head;
   recomputed in the backward pass. Any platform, long T without a kernel. With a window, each
-  query chunk scans only the ceil((W - 1) / chunk) + 1 key chunks that can reach it.
+  query chunk reads only the ceil((W - 1) / chunk) + 1 key chunks that can reach it.
 - `splash`: Pallas splash attention (TPU kernel, block-sparse causal mask (a `LocalMask` with a
   window: blocks outside it are skipped), segment ids), one kernel
   per key head with its G query heads (MQA form, no repeat of k/v), in a `shard_map` over the batch
@@ -21,9 +22,12 @@ document; None means one document per row. `window` W (sliding-window attention,
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (flash attention; a window is
   cuDNN's sliding_window_length W). NVIDIA GPU.
 - `auto`: splash on TPU, cudnn on GPU, xla on CPU.
+- ring (context parallelism): when the trainer splits the sequence over devices
+  (`constrain.size("seq") > 1`), every implementation runs as ring attention (below); `xla`
+  computes each ring step's block whole, the others in chunks like `chunked`.
 
-`constrain` is the trainer's activation-sharding object (or None): `splash` needs a mesh to run
-per shard and asks for it with `constrain.shard_map(fn, in_names, out_names)`, and
+`constrain` is the trainer's activation-sharding object (or None): `splash` and ring attention
+run per shard with `constrain.shard_map(fn, in_names, out_names)`, and
 `constrain.platform` says which chip the program is compiled for; without them the kernel runs on
 the whole arrays on the default backend. The model never sees the mesh.
 """
@@ -34,6 +38,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from models import no_constraint
 
 IMPLS = ("auto", "xla", "chunked", "splash", "cudnn")
 CHUNK = 512
@@ -50,15 +57,20 @@ def resolve(impl: str, platform: str | None = None) -> str:
     return {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "xla")
 
 
-def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, impl: str = "auto", constrain=None,
-           window: int | None = None):
+def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, impl: str = "auto",
+           constrain=None, window: int | None = None):
     """Causal attention of q over k, v (see the module docstring); returns o_bthe in q's dtype.
+    `positions_bt` matter only to ring attention, whose masks come from them (the trainer feeds a
+    context-parallel sequence out of order); None: 0..T-1.
 
     The platform (for `auto`, and for running splash compiled or in the Pallas interpreter) is
     `constrain.platform` (the mesh's devices: `tpu` when compiling for a TPU topology on a CPU
     host) or else the default backend; splash off TPU runs interpreted (CPU tests)."""
     platform = getattr(constrain, "platform", None) or jax.default_backend()
     impl = resolve(impl, platform)
+    if constrain is not None and constrain.size("seq") > 1:
+        return ring(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, constrain=constrain,
+                    chunk=None if impl == "xla" else CHUNK, window=window)
     if impl == "xla" or impl == "cudnn":
         mask = None
         if segment_ids_bt is not None:
@@ -72,57 +84,110 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, impl: str = "auto", c
 
 
 # ----------------------------------------------------------------------------- chunked XLA
+# Online softmax (flash attention's): a carry (m running max, l denominator, acc weighted sum of
+# values; float32) per query folds in one block of keys at a time. `chunked` folds every key chunk
+# into each query chunk; ring attention folds each device's block as it passes.
+
+
+def empty_carry(b, t, k_heads, g, e):
+    """(m, l, acc) before any key: m (B, K, G, T) -inf, l (B, K, G, T) 0, acc (B, T, K, G, E) 0."""
+    return (jnp.full((b, k_heads, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, k_heads, g, t), jnp.float32),
+            jnp.zeros((b, t, k_heads, g, e), jnp.float32))
+
+
+def fold(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, window=None):
+    """Folds one key/value block into the carry; a query sees keys at positions <= its own (and
+    within `window` of it), in its document. q is pre-scaled."""
+    m_bkgq, l_bkgq, acc_bqkge = carry
+    s_bkgqs = jnp.einsum("bqkge,bske->bkgqs", q_bqkge, k_bske, preferred_element_type=jnp.float32)
+    allowed_bqs = (pos_q_bq[:, :, None] >= pos_k_bs[:, None, :]) & (seg_q_bq[:, :, None] == seg_k_bs[:, None, :])
+    if window is not None:
+        allowed_bqs &= pos_q_bq[:, :, None] - pos_k_bs[:, None, :] < window
+    s_bkgqs = jnp.where(allowed_bqs[:, None, None], s_bkgqs, -jnp.inf)
+    m_new = jnp.maximum(m_bkgq, s_bkgqs.max(-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing allowed yet
+    p_bkgqs = jnp.exp(s_bkgqs - m_safe[..., None])
+    corr_bkgq = jnp.exp(m_bkgq - m_safe)
+    l_new = l_bkgq * corr_bkgq + p_bkgqs.sum(-1)
+    pv_bqkge = jnp.einsum("bkgqs,bske->bqkge", p_bkgqs.astype(v_bske.dtype), v_bske,
+                          preferred_element_type=jnp.float32)
+    return m_new, l_new, acc_bqkge * corr_bkgq.transpose(0, 3, 1, 2)[..., None] + pv_bqkge
+
+
+def fold_block(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, chunk=None, window=None):
+    """Folds a block of keys into the carry `chunk` x `chunk` at a time (None: all at once), each
+    query chunk rematerialised in the backward pass (its scores are never saved)."""
+    b, t, k_heads, g, e = q_bqkge.shape
+    s = k_bske.shape[1]
+    cq, ck = min(chunk or t, t), min(chunk or s, s)
+    if t % cq or s % ck:
+        raise ValueError(f"chunked attention: sequence length {t} is not a multiple of the chunk {chunk}")
+
+    def split(x, c, axis=1):  # (.., N c, ..) -> (N, .., c, ..)
+        return jnp.moveaxis(x.reshape(*x.shape[:axis], x.shape[axis] // c, c, *x.shape[axis + 1:]), axis, 0)
+
+    keys = tuple(split(x, ck) for x in (k_bske, v_bske, pos_k_bs, seg_k_bs))
+
+    @jax.checkpoint
+    def query_chunk(q_bckge, pos_q_bc, seg_q_bc, carry):
+        def key_chunk(carry, kv):
+            return fold(q_bckge, pos_q_bc, seg_q_bc, *kv, carry, window), None
+        return jax.lax.scan(key_chunk, carry, keys)[0]
+
+    if cq == t:
+        return query_chunk(q_bqkge, pos_q_bq, seg_q_bq, carry)
+    m_bkgq, l_bkgq, acc_bqkge = carry
+    out = jax.lax.map(lambda a: query_chunk(*a), (split(q_bqkge, cq), split(pos_q_bq, cq), split(seg_q_bq, cq),
+                                                  (split(m_bkgq, cq, 3), split(l_bkgq, cq, 3), split(acc_bqkge, cq))))
+
+    def merge(x, axis):  # (N, .., c, ..) -> (.., N c, ..)
+        x = jnp.moveaxis(x, 0, axis)
+        return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+    return merge(out[0], 3), merge(out[1], 3), merge(out[2], 1)
+
+
+def grouped_queries(q_bthe, k_heads):
+    """(B, T, K, G, E) scaled queries: query head h = k G + g uses key head k."""
+    b, t, h, e = q_bthe.shape
+    return (q_bthe * jnp.asarray(e ** -0.5, q_bthe.dtype)).reshape(b, t, k_heads, h // k_heads, e)
+
+
+def normalised(carry, dtype):
+    _, l_bkgq, acc_bqkge = carry
+    b, t, k_heads, g, e = acc_bqkge.shape
+    return (acc_bqkge / l_bkgq.transpose(0, 3, 1, 2)[..., None]).reshape(b, t, k_heads * g, e).astype(dtype)
 
 
 def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int = CHUNK, window: int | None = None):
     """Flash attention in plain XLA: online softmax over key chunks, one query chunk at a time.
-    Query chunk i scans key chunks i - R + 1 .. i (R = all chunks, or those a window reaches);
-    chunk indices below 0 are masked out."""
+    With a window, query chunk i reads only key chunks i - R + 1 .. i (R = the chunks a window
+    reaches; clamped at the first chunk, the extra keys are masked as future ones)."""
     b, t, h, e = q_bthe.shape
-    k_heads = k_btke.shape[2]
-    g = h // k_heads
+    k_heads, g = k_btke.shape[2], h // k_btke.shape[2]
+    seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
+    pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    q_btkge = grouped_queries(q_bthe, k_heads)
     c = min(chunk, t)
+    reach = t if window is None else (-(-(window - 1) // c) + 1) * c  # keys one query chunk reads
+    if reach >= t:
+        carry = fold_block(q_btkge, pos_bt, seg_bt, k_btke, v_btke, pos_bt, seg_bt, empty_carry(b, t, k_heads, g, e),
+                           chunk, window)
+        return normalised(carry, q_bthe.dtype)
     if t % c:
         raise ValueError(f"chunked attention: sequence length {t} is not a multiple of the chunk {c}")
-    n = t // c
-    seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
-    # (n, B, c, K, G, E) query chunks; (n, B, c, K, E) key / value chunks
-    q_nbckge = (q_bthe * jnp.asarray(e ** -0.5, q_bthe.dtype)).reshape(b, n, c, k_heads, g, e).swapaxes(0, 1)
-    k_nbcke = k_btke.reshape(b, n, c, k_heads, e).swapaxes(0, 1)
-    v_nbcke = v_btke.reshape(b, n, c, k_heads, e).swapaxes(0, 1)
-    seg_nbc = seg_bt.reshape(b, n, c).swapaxes(0, 1)
-    pos_nc = jnp.arange(t).reshape(n, c)
-    reach = n if window is None else min(n, -(-(window - 1) // c) + 1)  # key chunks one query chunk reads
 
-    @jax.checkpoint  # the backward pass recomputes each query chunk instead of saving its scores
-    def query_chunk(q_bckge, seg_q_bc, pos_q_c, i):
-        def key_chunk(carry, r):
-            m_bkgc, l_bkgc, acc_bckge = carry
-            j = i - reach + 1 + r
-            k_bcke, v_bcke, seg_k_bc, pos_k_c = (x[jnp.maximum(j, 0)] for x in (k_nbcke, v_nbcke, seg_nbc, pos_nc))
-            s_bkgcs = jnp.einsum("bqkge,bske->bkgqs", q_bckge, k_bcke, preferred_element_type=jnp.float32)
-            near_qs = pos_q_c[:, None] >= pos_k_c[None, :]
-            if window is not None:
-                near_qs &= pos_q_c[:, None] - pos_k_c[None, :] < window
-            allowed_bqs = (near_qs & (j >= 0))[None] & (seg_q_bc[:, :, None] == seg_k_bc[:, None, :])
-            s_bkgcs = jnp.where(allowed_bqs[:, None, None], s_bkgcs, -jnp.inf)
-            m_new = jnp.maximum(m_bkgc, s_bkgcs.max(-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing allowed yet
-            p_bkgcs = jnp.exp(s_bkgcs - m_safe[..., None])
-            corr_bkgc = jnp.exp(m_bkgc - m_safe)
-            l_new = l_bkgc * corr_bkgc + p_bkgcs.sum(-1)
-            pv_bckge = jnp.einsum("bkgqs,bske->bqkge", p_bkgcs.astype(v_bcke.dtype), v_bcke,
-                                  preferred_element_type=jnp.float32)
-            acc_new = acc_bckge * corr_bkgc.transpose(0, 3, 1, 2)[..., None] + pv_bckge
-            return (m_new, l_new, acc_new), None
+    def query_chunk(i):
+        def rows(x, start, size):
+            return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+        first_key = jnp.maximum((i + 1) * c - reach, 0)
+        keys = (rows(x, first_key, reach) for x in (k_btke, v_btke, pos_bt, seg_bt))
+        return fold_block(rows(q_btkge, i * c, c), rows(pos_bt, i * c, c), rows(seg_bt, i * c, c), *keys,
+                          empty_carry(b, c, k_heads, g, e), c, window)
 
-        init = (jnp.full((b, k_heads, g, c), -jnp.inf, jnp.float32), jnp.zeros((b, k_heads, g, c), jnp.float32),
-                jnp.zeros((b, c, k_heads, g, e), jnp.float32))
-        (_, l_bkgc, acc_bckge), _ = jax.lax.scan(key_chunk, init, jnp.arange(reach))
-        return acc_bckge / l_bkgc.transpose(0, 3, 1, 2)[..., None]
-
-    o_nbckge = jax.lax.map(lambda args: query_chunk(*args), (q_nbckge, seg_nbc, pos_nc, jnp.arange(n)))
-    return o_nbckge.swapaxes(0, 1).reshape(b, t, h, e).astype(q_bthe.dtype)
+    _, l_nbkgc, acc_nbckge = jax.lax.map(query_chunk, jnp.arange(t // c))
+    l_bkgt = jnp.moveaxis(l_nbkgc, 0, 3).reshape(b, k_heads, g, t)
+    acc_btkge = jnp.moveaxis(acc_nbckge, 0, 1).reshape(b, t, k_heads, g, e)
+    return normalised((None, l_bkgt, acc_btkge), q_bthe.dtype)
 
 
 # ----------------------------------------------------------------------------- splash (TPU)
@@ -142,7 +207,7 @@ def _splash_kernel(g: int, t: int, interpret: bool, window: int | None = None):
     return sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _splash_local(q_btkge, k_btke, v_btke, seg_bt, *, interpret: bool, window: int | None = None):
+def _splash_local(shard, q_btkge, k_btke, v_btke, seg_bt, *, interpret: bool, window: int | None = None):
     """Splash on one shard: vmap over batch and key heads of the MQA kernel (G query heads)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     b, t, k_heads, g, e = q_btkge.shape
@@ -164,11 +229,66 @@ def splash(q_bthe, k_btke, v_btke, segment_ids_bt=None, *, constrain=None, inter
     k_heads = k_btke.shape[2]
     seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
     q_btkge = q_bthe.reshape(b, t, k_heads, h // k_heads, e)  # query head h = k G + g uses key head k
-    local = functools.partial(_splash_local, interpret=interpret, window=window)
-    wrap = getattr(constrain, "shard_map", None)
-    if wrap is not None:
-        # the sequence stays whole inside (a causal kernel needs every earlier key)
-        names_q = ("batch", None, "kv_heads", None, None)
-        names_kv = ("batch", None, "kv_heads", None)
-        local = wrap(local, (names_q, names_kv, names_kv, ("batch", None)), names_q)
+    # the sequence stays whole inside (a causal kernel needs every earlier key)
+    names_q = ("batch", None, "kv_heads", None, None)
+    names_kv = ("batch", None, "kv_heads", None)
+    local = (constrain or no_constraint).shard_map(functools.partial(_splash_local, interpret=interpret, window=window),
+                                                   (names_q, names_kv, names_kv, ("batch", None)), names_q)
     return local(q_btkge, k_btke, v_btke, seg_bt).reshape(b, t, h, e)
+
+
+# ----------------------------------------------------------------------------- ring (context parallelism)
+# Each device keeps its queries and passes its key/value block (with the blocks' positions and
+# segment ids) around the ring of the n devices that split `seq` (`shard.ring_shift`, a ppermute):
+# in each of n steps it first issues the transfer of the block it holds to the next device, then
+# folds that block into its online softmax (`fold_block`), so the transfer overlaps the block's
+# computation. After n steps every query has seen every key; no device ever holds the whole
+# sequence's keys and values.
+#
+# Masks come from the positions that travel with each block (query position >= key position, and
+# equal segment ids for packed documents), so the layout of the sequence is free. The trainer uses
+# the causal load-balanced one: the sequence cut into 2n chunks, device i holding chunks i and
+# 2n-1-i, so every device has the same number of query-key pairs below the diagonal (with a plain
+# split the last device would have n times the first's). Every block is computed in full with its
+# mask: 2x the FLOPs that skipping the masked half would need, equal on every device. Splash's
+# kernels take a static mask, and a ring step's mask depends on the device, so ring steps run the
+# chunked blocks under `splash` too.
+
+
+def load_balanced_order(t: int, n: int) -> np.ndarray:
+    """Positions 0..t-1 in the order that puts chunks i and 2n-1-i (of 2n) on device i."""
+    chunks = np.arange(t).reshape(2 * n, t // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def _ring_local(shard, q_bthe, k_btke, v_btke, pos_bt, seg_bt, *, chunk, window=None):
+    """One device's queries against every device's keys/values, passed around the `seq` ring."""
+    b, t, h, e = q_bthe.shape
+    k_heads = k_btke.shape[2]
+    n = shard.size("seq")
+    q_bqkge = grouped_queries(q_bthe, k_heads)
+    carry = empty_carry(b, t, k_heads, h // k_heads, e)
+
+    def step(state, _):
+        kv, carry = state
+        nxt = shard.ring_shift(kv, "seq")  # issued first: the transfer overlaps this block's compute
+        return (nxt, fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk, window)), None
+
+    kv = (k_btke, v_btke, pos_bt, seg_bt)
+    if n > 1:
+        (kv, carry), _ = jax.lax.scan(step, (kv, carry), None, length=n - 1)
+    carry = fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk, window)  # the last block: no transfer
+    return normalised(carry, q_bthe.dtype)
+
+
+def ring(q_bthe, k_btke, v_btke, positions_bt=None, segment_ids_bt=None, *, constrain, chunk=None, window=None):
+    """Causal attention with the sequence split over `seq` (see above); `chunk`: key/query chunk
+    of each ring step's block (None: the whole block at once)."""
+    bt = q_bthe.shape[:2]
+    seg_bt = jnp.zeros(bt, jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
+    pos_bt = jnp.arange(bt[1]) if positions_bt is None else positions_bt
+    pos_bt = jnp.broadcast_to(pos_bt, bt).astype(jnp.int32)
+    names_q, names_kv = ("batch", "seq", "heads", None), ("batch", "seq", "kv_heads", None)
+    local = constrain.shard_map(functools.partial(_ring_local, chunk=chunk, window=window),
+                                (names_q, names_kv, names_kv, ("batch", "seq"), ("batch", "seq")), names_q)
+    return local(q_bthe, k_btke, v_btke, pos_bt, seg_bt)

@@ -1,7 +1,8 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query causal attention, SwiGLU MLP.
 
 One decoder, several families as configs: Llama 2/3 (rope_scaling, tie_embeddings), Mistral
-(the Llama layout, sliding_window), Qwen2/2.5 (qkv_bias) and Qwen3 (qk_norm, its own head_dim). The rotary
+(the Llama layout, sliding_window), Qwen2/2.5 (qkv_bias) and Qwen3 (qk_norm, its own head_dim); with
+`n_experts > 1` every block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen-MoE). The rotary
 layout is Hugging Face's: the head dimension is split into halves [x1, x2], rotated as
 [x1 cos - x2 sin, x2 cos + x1 sin] with frequencies theta^(-2i/E), so HF weights load unpermuted.
 
@@ -28,6 +29,7 @@ from models import (
     dense,
     embed_lookup,
     matmul_params,
+    moe,
     no_constraint,
     param,
     scan_blocks,
@@ -94,7 +96,7 @@ LOGICAL = {"wq_dhe": ("embed", "heads", None), "wk_dke": ("embed", "kv_heads", N
 
 class Block(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
-        d, h, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
+        d, h, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         e = cfg.head_dim or d // h
         self.theta, self.constrain, self.attention = cfg.rope_theta, constrain, cfg.attention
         self.rope_scaling, self.eps, self.window = cfg.rope_scaling, cfg.rms_norm_eps, cfg.sliding_window
@@ -111,9 +113,10 @@ class Block(nnx.Module):
             self.k_norm = param(rngs, ones, (e,), (None,))
         self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), LOGICAL["wo_hed"])
         self.mlp_norm = param(rngs, ones, (d,), (None,))
-        self.w_gate_df = param(rngs, normal(d ** -0.5), (d, f), LOGICAL["w_gate_df"])
-        self.w_up_df = param(rngs, normal(d ** -0.5), (d, f), LOGICAL["w_up_df"])
-        self.w_down_fd = param(rngs, normal(f ** -0.5 / 2), (f, d), LOGICAL["w_down_fd"])
+        if cfg.n_experts > 1:
+            self.moe = moe.Moe(cfg, rngs=rngs, constrain=constrain)
+        else:
+            self._dense_mlp(cfg, rngs)
         self.lora_scale = cfg.lora.alpha / max(cfg.lora.rank, 1)
         for name in cfg.lora.target_params():  # low-rank adapters: A (W's input dims, r), B (r, W's output dims)
             w, n_in, r = getattr(self, name), 2 if name == "wo_hed" else 1, cfg.lora.rank
@@ -121,6 +124,12 @@ class Block(nnx.Module):
             setattr(self, name + "_lora_a", param(rngs, normal(math.prod(w.shape[:n_in]) ** -0.5),
                                                   (*w.shape[:n_in], r), (*names[:n_in], None)))
             setattr(self, name + "_lora_b", param(rngs, zeros, (r, *w.shape[n_in:]), (None, *names[n_in:])))
+
+    def _dense_mlp(self, cfg, rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.w_gate_df = param(rngs, normal(d ** -0.5), (d, f), LOGICAL["w_gate_df"])
+        self.w_up_df = param(rngs, normal(d ** -0.5), (d, f), LOGICAL["w_up_df"])
+        self.w_down_fd = param(rngs, normal(f ** -0.5 / 2), (f, d), LOGICAL["w_down_fd"])
 
     def weight(self, name):
         """A block weight; with a LoRA adapter W + (alpha/r) A @ B, the frozen W out of the gradient."""
@@ -130,11 +139,15 @@ class Block(nnx.Module):
         a, b = getattr(self, name + "_lora_a")[...], getattr(self, name + "_lora_b")[...]
         return jax.lax.stop_gradient(w) + (self.lora_scale * dense(a, b)).astype(w.dtype)
 
+    def mm(self, x, name, n_in=1):
+        """x times block weight `name` (flat 2D matmul unless the sequence is split over devices)."""
+        return dense(x, self.weight(name), n_in, flat=self.constrain.size("seq") == 1)
+
     def qkv(self, x_btd, positions_bt=None):
         """Queries, keys (both rotated) and values of the normed input."""
         c = self.constrain
         h_btd = rms_norm(x_btd, self.attn_norm[...], self.eps)
-        q_bthe, k_btke, v_btke = (dense(h_btd, self.weight(w)) for w in ("wq_dhe", "wk_dke", "wv_dke"))
+        q_bthe, k_btke, v_btke = (self.mm(h_btd, w) for w in ("wq_dhe", "wk_dke", "wv_dke"))
         if hasattr(self, "bq_he"):
             q_bthe, k_btke, v_btke = q_bthe + self.bq_he[...], k_btke + self.bk_ke[...], v_btke + self.bv_ke[...]
         if hasattr(self, "q_norm"):
@@ -144,20 +157,24 @@ class Block(nnx.Module):
         return q_bthe, k_btke, c(v_btke, BTKE)
 
     def finish(self, x_btd, o_bthe):
-        """Output projection, residual, then the SwiGLU MLP and its residual."""
+        """Output projection, residual, then the SwiGLU MLP (or mixture of experts) and its residual;
+        an MoE block returns (x_btd, aux losses)."""
         c = self.constrain
-        x_btd = c(x_btd + dense(o_bthe, self.weight("wo_hed"), n_in=2), BTD)
+        x_btd = c(x_btd + self.mm(o_bthe, "wo_hed", n_in=2), BTD)
         h_btd = rms_norm(x_btd, self.mlp_norm[...], self.eps)
-        gate_btf = c(dense(h_btd, self.weight("w_gate_df")), BTF)
-        up_btf = c(dense(h_btd, self.weight("w_up_df")), BTF)
-        out_btd = dense(jax.nn.silu(gate_btf) * up_btf, self.weight("w_down_fd"))
+        if hasattr(self, "moe"):
+            out_btd, aux = self.moe(h_btd)
+            return c(x_btd + out_btd, BTD), aux
+        gate_btf = c(self.mm(h_btd, "w_gate_df"), BTF)
+        up_btf = c(self.mm(h_btd, "w_up_df"), BTF)
+        out_btd = self.mm(jax.nn.silu(gate_btf) * up_btf, "w_down_fd")
         return c(x_btd + out_btd, BTD)
 
     def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
         x_btd = checkpoint_name(x_btd, "layer_input")  # names for train.remat=offload
         q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
-        o_bthe = attention.attend(q_bthe, k_btke, v_btke, segment_ids_bt=segment_ids_bt, impl=self.attention,
-                                  constrain=self.constrain, window=self.window)
+        o_bthe = attention.attend(q_bthe, k_btke, v_btke, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
+                                  impl=self.attention, constrain=self.constrain, window=self.window)
         o_bthe = checkpoint_name(self.constrain(o_bthe, BTHE), "attention_out")
         return self.finish(x_btd, o_bthe)
 
@@ -174,7 +191,8 @@ class Block(nnx.Module):
         mask_bts = (key_s[None, None, :] <= query_t[None, :, None]) & (key_s[None, None, :] >= first_b[:, None, None])
         if self.window is not None:
             mask_bts &= key_s[None, None, :] > query_t[None, :, None] - self.window
-        return self.finish(x_btd, cached_attention(q_bthe, k_bske, v_bske, mask_bts)), k_bske, v_bske
+        x_btd = self.finish(x_btd, cached_attention(q_bthe, k_bske, v_bske, mask_bts))
+        return (x_btd[0] if isinstance(x_btd, tuple) else x_btd), k_bske, v_bske
 
 
 class Gpt(nnx.Module):
@@ -188,17 +206,19 @@ class Gpt(nnx.Module):
                                     ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how)
+        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how, flat=self.constrain.size("seq") == 1)
         return self.constrain(x_btd, BTD)
 
     def head(self, x_btd):
         unembed_dv = self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
-        logits_btv = dense(rms_norm(x_btd, self.final_norm[...], self.eps), unembed_dv)
+        logits_btv = dense(rms_norm(x_btd, self.final_norm[...], self.eps), unembed_dv,
+                           flat=self.constrain.size("seq") == 1)
         return self.constrain(logits_btv, BTV)
 
     def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):
-        return self.head(scan_blocks(self.blocks, self.embed(tokens_bt), segment_ids=segment_ids_bt,
-                                     positions=positions_bt))
+        """Logits, or (logits, aux losses) for an MoE model."""
+        out = scan_blocks(self.blocks, self.embed(tokens_bt), segment_ids=segment_ids_bt, positions=positions_bt)
+        return (self.head(out[0]), out[1]) if isinstance(out, tuple) else self.head(out)
 
     def decode(self, tokens_bt, cache, slot, positions_bt, first_b):
         """Logits of T new tokens given a KV cache {"k", "v": (L, B, S, K, E)} (see Block.decode);
@@ -216,6 +236,8 @@ class Gpt(nnx.Module):
     @staticmethod
     def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls (forward + backward; N without a gathered
-        embedding table) plus attention's scores and values, 12 L T H E."""
+        embedding table) plus attention's scores and values, 12 L T H E. For a mixture of experts
+        N counts the active parameters: each token's experts_per_token experts, not all of them."""
         head_dims = cfg.n_heads * (cfg.head_dim or cfg.d_model // cfg.n_heads)
-        return 6 * matmul_params(cfg, n_params) + 12 * cfg.n_layers * seq_len * head_dims
+        inactive = cfg.n_layers * moe.inactive_params(cfg) if cfg.n_experts > 1 else 0
+        return 6 * (matmul_params(cfg, n_params) - inactive) + 12 * cfg.n_layers * seq_len * head_dims

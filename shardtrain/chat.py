@@ -181,20 +181,6 @@ def check_messages(row, where: str) -> list[dict]:
     return messages
 
 
-def conversations(path: str):
-    """(FILE:LINE, messages) of each non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-            except ValueError:
-                raise ConfigError(f"{where}: not valid JSON; each line must be one JSON object") from None
-            yield where, check_messages(row, where)
-
-
 def assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
     """uint8 per token: 1 when the token's characters overlap an assistant span."""
     if not offsets:

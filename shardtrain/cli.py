@@ -177,12 +177,14 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     pr = sub.add_parser("prepare", help="tokenize text / JSONL / Parquet into shards for data.source=tokens")
     pr.add_argument("inputs", nargs="+", help="files, directories or globs (.jsonl, .parquet, else plain text)")
-    pr.add_argument("--tokenizer", required=True, help="a tokenizer.json, a directory holding one, or `bytes`")
+    pr.add_argument("--tokenizer", required=True, help="a tokenizer.json, a sentencepiece .model, a tiktoken "
+                    "file, a directory holding one, or `bytes`")
     pr.add_argument("--out", required=True, help="output directory (rerun the same command to resume)")
     pr.add_argument("--text-field", default="text", help="JSONL key / Parquet column of the text (default: text)")
     pr.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of documents held out as `eval`")
     pr.add_argument("--eos", default=None, help="EOS token when the tokenizer has none of <eos> </s> <|endoftext|>")
-    pr.add_argument("--workers", type=int, default=None, help="processes (default: one per CPU, at most one per file)")
+    pr.add_argument("--workers", type=int, default=None,
+                    help="processes (default: one per CPU, at most one per file or part of a large file)")
     pr.add_argument("--chat", action="store_true", help="JSONL conversations ({\"messages\": [...]}) through the "
                     "tokenizer's chat template; the loss counts only the assistant's tokens")
     pr.set_defaults(func=cmd_prepare)

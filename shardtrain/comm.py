@@ -47,9 +47,9 @@ class Base:
     init: Callable
     """key -> {params, opt, step}."""
     update: Callable
-    """(state, loss, grads) -> (state with params/opt/step advanced, metrics)."""
+    """(state, losses, grads) -> (state with params/opt/step advanced, metrics)."""
     make_loss_and_grads: Callable
-    """constrain -> ((params, tokens_bt) -> (loss, grads))."""
+    """constrain -> ((params, tokens_bt) -> (losses, grads)); losses: a dict, `loss` the cross-entropy."""
 
 
 def enabled(cfg: RunConfig) -> bool:
@@ -236,7 +236,7 @@ def reduced_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
     def train_step(state, tokens_bt):
         loss_r, grads = grads_r(state["params"], split_batch(tokens_bt))  # each replica's own gradient
         grads, comm = mean(jax.lax.with_sharding_constraint(grads, replica_shardings), state.get("comm", {}))
-        return base.update({**state, **({"comm": comm} if comm else {})}, jnp.mean(loss_r), grads)
+        return base.update({**state, **({"comm": comm} if comm else {})}, jax.tree.map(jnp.mean, loss_r), grads)
 
     return state_shardings, init, train_step
 

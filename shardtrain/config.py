@@ -24,8 +24,10 @@ class ConfigError(ValueError):
     """A mistake in user input (config, overrides, mesh, data, checkpoint). Exit code 2."""
 
 
-MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
-"""Mesh axis names, outermost (slowest, across hosts) first."""
+MESH_AXES = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
+"""Mesh axis names, outermost (slowest, across hosts) first. `expert` and `context` sit inside
+fsdp and outside tensor: their collectives (an all-to-all per MoE layer, a ring of key/value
+blocks per attention layer) want the fast interconnect (ICI) but less of it than tensor's."""
 
 AxisRule = Optional[str | tuple[str, ...]]
 
@@ -43,6 +45,8 @@ class DcnConfig:
     data: int = 1
     pipeline: int = 1
     fsdp: int = 1
+    expert: int = 1
+    context: int = 1
     tensor: int = 1
 
 
@@ -57,6 +61,12 @@ class MeshConfig:
     """Pipeline parallelism: the stacked layers are split into this many stages."""
     fsdp: int = 1
     """Fully sharded data parallelism (ZeRO-3): batch and parameters split, weights gathered per layer."""
+    expert: int = 1
+    """Expert parallelism (MoE models): the experts are split; tokens travel to their experts'
+    devices with an all-to-all. Outside the MoE layers the batch is split over it too."""
+    context: int = 1
+    """Context (sequence) parallelism: each sequence is split into 2 x context chunks, device i
+    holding chunks i and 2 context - 1 - i; attention passes key/value blocks around a ring."""
     tensor: int = 1
     """Tensor (Megatron) parallelism: attention heads and MLP hidden units split."""
     dcn: DcnConfig = field(default_factory=DcnConfig)
@@ -78,14 +88,19 @@ class RulesConfig:
     `activation_*` rows name activation dimensions that no parameter has, so sharding them is a
     rules change, not a model edit)."""
 
-    batch: AxisRule = ("data", "fsdp")
+    batch: AxisRule = ("data", "fsdp", "expert")
+    """Examples of a batch. Over `expert` too: outside the MoE layers the expert devices are
+    data-parallel replicas (as in MaxText and DeepSpeed-MoE), so no device repeats another's work."""
     embed: AxisRule = "fsdp"
     mlp: AxisRule = "tensor"
     heads: AxisRule = "tensor"
     kv_heads: AxisRule = "tensor"
     vocab: AxisRule = "tensor"
     layers: AxisRule = "pipeline"
-    seq: AxisRule = None
+    seq: AxisRule = "context"
+    """Sequence dimension of activations: split over `context`, attention runs as ring attention."""
+    experts: AxisRule = "expert"
+    """The expert dimension of MoE expert weights."""
     activation_embed: AxisRule = None
     """The model dimension of activations (the residual stream x_btd); null: whole on every device."""
     activation_head_dim: AxisRule = None
@@ -169,6 +184,28 @@ class ModelConfig:
     causal context. Every attention implementation and generation's KV cache honour it."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
+    n_experts: int = 0
+    """Mixture of experts: experts per MoE layer (every layer's MLP; d_ff is each expert's hidden
+    size); 0 or 1: a dense MLP."""
+    experts_per_token: int = 2
+    """MoE: experts each token is routed to (top-k, by softmax router probability)."""
+    n_shared_experts: int = 0
+    """MoE: experts every token also passes through (DeepSeek / Qwen-MoE style), unweighted."""
+    shared_expert_d_ff: Optional[int] = None
+    """MoE: hidden size of the shared experts' one SwiGLU MLP; default n_shared_experts x d_ff."""
+    shared_expert_gate: bool = False
+    """MoE: the shared experts' output is scaled by sigmoid(h . w), w a learned vector (Qwen2-MoE)."""
+    norm_topk_prob: bool = True
+    """MoE: the top-k router probabilities are renormalised to sum to 1 (Mixtral, Qwen3-MoE);
+    false weights each expert by its softmax probability over all experts (Qwen2-MoE's default)."""
+    capacity_factor: Optional[float] = None
+    """MoE: null routes every token (dropless); a number caps each expert at capacity_factor x
+    (tokens x experts_per_token / n_experts) assignments per expert shard's batch, dropping the rest."""
+    router_aux_loss_coef: float = 0.01
+    """MoE: weight of the load-balancing loss n_experts x sum_e (fraction of assignments to e) x
+    (mean router probability of e)."""
+    router_z_loss_coef: float = 0.001
+    """MoE: weight of the router z-loss, the mean of logsumexp(router logits)^2 (ST-MoE)."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +224,8 @@ class DataConfig:
     windows with segment ids and positions."""
     path: Optional[str] = None
     """text: directory or glob of text files (default: the Python standard library's top-level .py
-    files). tokens: the directory `shardtrain prepare --out` wrote (local; gs:// is not read yet)."""
+    files). tokens: the directory `shardtrain prepare --out` wrote: a local path or gs://BUCKET/PATH (read by
+    byte range through tensorstore)."""
     seq_len: int = 128
     mixture: tuple[MixtureEntry, ...] = ()
     """tokens: several prepared directories sampled by weight instead of `path`, e.g.
@@ -544,6 +582,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.sliding_window is not None and m.sliding_window < 1:
         raise ConfigError(f"model.sliding_window: must be >= 1 (or null: the whole context), got {m.sliding_window}")
+    if m.n_experts > 1 and not 1 <= m.experts_per_token <= m.n_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
+                          f"model.n_experts={m.n_experts}")
+    if m.n_experts < 0 or m.n_shared_experts < 0:
+        raise ConfigError("model.n_experts and model.n_shared_experts must be >= 0")
+    if m.capacity_factor is not None and m.capacity_factor <= 0:
+        raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be > 0, or null for dropless routing")
     if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
                           "(or set model.head_dim)")
@@ -556,6 +601,10 @@ def validate(cfg: RunConfig) -> None:
     if m.lora.rank > 0 and (t.sync != "every_step" or t.grad_reduce_dtype != "float32"):
         raise ConfigError("model.lora.rank > 0 needs train.sync=every_step and train.grad_reduce_dtype=float32 "
                           "(LoRA with local SGD or compressed gradients is not supported yet)")
+    moe_lora = [p for p in m.lora.target_params() if p.startswith("w_") and p.endswith(("_df", "_fd"))]
+    if m.n_experts > 1 and moe_lora:
+        raise ConfigError(f"model.lora.targets: {', '.join(moe_lora)} are dense-MLP weights, which an MoE model "
+                          "(model.n_experts > 1) does not have; adapt attention weights only")
     if str(cfg.run_dir).startswith("gs://"):
         raise ConfigError(f"run_dir={cfg.run_dir}: must be a local directory (metrics, plots); put "
                           "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")

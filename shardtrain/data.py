@@ -7,7 +7,7 @@ batch its devices hold, so resuming on any number of processes continues at the 
 Sources (data.source):
   text       byte tokens of text files; the last 1/20 of the windows are the `eval` split.
   synthetic  seeded arithmetic sequences; `eval` draws them from another seed.
-  tokens     shards written by `shardtrain prepare` (tokens_source.py), memory-mapped: documents
+  tokens     shards written by `shardtrain prepare` (tokens_source.py), read by range: documents
              (each ending in EOS) concatenated and cut into windows of seq_len + 1 tokens. A
              sample is then a dict {tokens, segment_ids, positions, loss_mask} (see PackedWindows).
 """
@@ -123,10 +123,21 @@ def stack(items: list):
     return np.stack(items)
 
 
-def batches(ds: grain.MapDataset, batch_size: int, rows: slice, start_step: int, end_step: int):
+REMOTE_READ_THREADS = 16
+"""Steps read at once from a gs:// (or other URL) data.path: each window is a ranged request of
+tens of ms, so one thread would read a host's 32 rows in about a second."""
+
+
+def read_threads(cfg: RunConfig) -> int:
+    """Threads that read batches ahead: REMOTE_READ_THREADS when data comes from a URL, else 1."""
+    paths = [e.path for e in cfg.data.mixture] or [cfg.data.path or ""]
+    return REMOTE_READ_THREADS if cfg.data.source == "tokens" and any("://" in p for p in paths) else 1
+
+
+def batches(ds: grain.MapDataset, batch_size: int, rows: slice, start_step: int, end_step: int, threads: int = 1):
     """Iterator of (step, rows `rows` of that step's global batch of `batch_size` samples from
-    `ds`: an int32 array, or a dict of them), prefetched in a background thread."""
+    `ds`: an int32 array, or a dict of them), prefetched in order by `threads` background threads."""
     b = batch_size
     steps = grain.MapDataset.range(start_step, end_step).map(
         lambda s: (s, stack([ds[s * b + r] for r in range(rows.start, rows.stop)])))
-    return iter(steps.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
+    return iter(steps.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(4, threads))))

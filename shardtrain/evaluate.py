@@ -33,7 +33,7 @@ class Evaluator:
         cfg = self.prog.cfg
         total = count = 0.0
         batches = data.batches(self.dataset, cfg.train.global_batch_size, self.prog.local_rows(), 0,
-                               cfg.train.eval_steps)
+                               cfg.train.eval_steps, data.read_threads(cfg))
         sums = [self.loss_sums(params, self.prog.device_batch(batch)) for _, batch in batches]
         for loss_sum, n in sums:
             total, count = total + float(loss_sum), count + float(n)

@@ -113,18 +113,20 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def sliding_window(hf: dict, arch: str, where: str) -> int | None:
-    """The window every layer uses, as transformers decides it: Mistral's `sliding_window`; Qwen2 /
-    Qwen3's when use_sliding_window, on layers from max_window_layers on (or as `layer_types`
-    says). A mix of windowed and full layers is refused (one window for all our layers)."""
+    """The window every layer uses, as transformers decides it: Mistral's (and Mixtral's)
+    `sliding_window`; Qwen2 / Qwen3's when use_sliding_window, on layers from max_window_layers on
+    (or as `layer_types` says). A mix of windowed and full layers is refused (one window for all
+    our layers)."""
     if arch == "LlamaForCausalLM":
         return None
+    always = arch in ("MistralForCausalLM", "MixtralForCausalLM")
     window = hf.get("sliding_window")
-    if arch != "MistralForCausalLM" and not hf.get("use_sliding_window", False):
+    if not always and not hf.get("use_sliding_window", False):
         window = None
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:
-        first = 0 if arch == "MistralForCausalLM" else hf.get("max_window_layers", 28)
+        first = 0 if always else hf.get("max_window_layers", 28)
         types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n)]
     windowed = sum(t == "sliding_attention" for t in types)
     if 0 < windowed < n:
@@ -152,7 +154,7 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
                tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
     out.pop("torch_dtype", None)
     windowed = m.sliding_window is not None
-    if (out.get("architectures") or [arch])[0] == "MistralForCausalLM":
+    if (out.get("architectures") or [arch])[0] in ("MistralForCausalLM", "MixtralForCausalLM"):
         out["sliding_window"] = m.sliding_window
     elif windowed or out.get("use_sliding_window"):  # Qwen: windowed on every layer, or on none
         out.update(use_sliding_window=windowed, max_window_layers=0 if windowed else m.n_layers)

@@ -144,7 +144,8 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
             last_done, pending = now, None
 
     tracing = False  # steps profile[0]..profile[1] (1-based) run inside a jax.profiler trace
-    for i, local_batch in data.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps):
+    for i, local_batch in data.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps,
+                                       data.read_threads(cfg)):
         if profile and not tracing and profile[0] <= i + 1 <= profile[1]:
             jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
             tracing = True

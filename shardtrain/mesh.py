@@ -25,7 +25,7 @@ def resolve_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
             sizes[axis] = n_devices // known
     if math.prod(sizes.values()) != n_devices:
         raise ConfigError(f"mesh ({shown}) needs {math.prod(sizes.values())} devices but {n_devices} are "
-                          f"present; make the product of mesh.data, mesh.pipeline, mesh.fsdp, mesh.tensor "
+                          f"present; make the product of {', '.join(f'mesh.{a}' for a in MESH_AXES)} "
                           f"(x mesh.dcn) equal {n_devices}, or set one axis to -1")
     return sizes
 

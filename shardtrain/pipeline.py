@@ -84,14 +84,16 @@ def bubble_fraction(cfg: RunConfig, mesh: Mesh) -> float:
 
 
 def runner(cfg: RunConfig, mesh: Mesh):
-    """`run_blocks(blocks, x_btd) -> x_btd`: the stacked blocks as a pipeline over `pipeline`."""
+    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: the stacked blocks as a pipeline over `pipeline`.
+    Packed documents (`docs`: segment_ids_bt, positions_bt) are cut into the same micro-batches,
+    held by every stage, and stage p reads those of the micro-batch it is working on."""
     stages, v, m_count = check(cfg, mesh)
     group = cfg.model.n_layers // (stages * v)
     run_group = scan_runner(cfg)
     ring = [(i, (i + 1) % stages) for i in range(stages)]
     batch_axes = sharding.spec_for(("batch",), cfg.rules, mesh)[0]
 
-    def run(blocks, x_btd):
+    def run(blocks, x_btd, **docs):
         graphdef, state = nnx.split(blocks)
         # (L, ...) -> (P, v, Lg, ...): stage p holds groups r P + p (a no-op regrouping when v = 1)
         staged = jax.tree.map(lambda w: w.reshape(v, stages, group, *w.shape[1:]).swapaxes(0, 1), state)
@@ -99,8 +101,11 @@ def runner(cfg: RunConfig, mesh: Mesh):
         # micro-batch m = rows i M + m: each device's rows stay local
         x_mbtd = x_btd.reshape(b // m_count, m_count, t, d).swapaxes(0, 1)  # (M, B/M, T, D)
         x_mbtd = jax.lax.with_sharding_constraint(x_mbtd, NamedSharding(mesh, P(None, batch_axes)))
+        docs_mbt = {k: jax.lax.with_sharding_constraint(
+            v.reshape(b // m_count, m_count, t).swapaxes(0, 1), NamedSharding(mesh, P(None, batch_axes)))
+            for k, v in docs.items()}
 
-        def pipeline(staged, x_mbtd):
+        def pipeline(staged, x_mbtd, docs_mbt):
             staged = jax.tree.map(lambda w: w[0], staged)  # (v, Lg, ...) on this stage
             stage = jax.lax.axis_index(AXIS)
             buffer_mbtd = jax.lax.pcast(x_mbtd, (AXIS,), to="varying").astype(dtype)
@@ -115,7 +120,9 @@ def runner(cfg: RunConfig, mesh: Mesh):
                 in_btd = jnp.where(stage == 0, buffer_mbtd[step % m_count], recv_btd)
                 repeat = jnp.clip((step - stage) // m_count, 0, v - 1)
                 layers = jax.tree.map(lambda w: w[repeat], staged)
-                return (buffer_mbtd, run_group(nnx.merge(graphdef, layers), in_btd)), None
+                # this stage works on micro-batch (step - stage) mod M: its documents
+                docs_bt = {k: v[(step - stage) % m_count] for k, v in docs_mbt.items()}
+                return (buffer_mbtd, run_group(nnx.merge(graphdef, layers), in_btd, **docs_bt)), None
 
             out_btd = jnp.zeros_like(buffer_mbtd[0])
             steps = jnp.arange(v * m_count + stages - 1)
@@ -128,8 +135,8 @@ def runner(cfg: RunConfig, mesh: Mesh):
         # The two all-reduces over `pipeline` (the outputs, and the inputs' cotangent) run in f32:
         # in bf16 XLA's CPU compiler aborts in AllReducePromotion ("Invalid binary instruction opcode copy").
         dtype = x_mbtd.dtype
-        y_mbtd = jax.shard_map(pipeline, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(),
-                               axis_names={AXIS})(staged, x_mbtd.astype(jnp.float32))
+        y_mbtd = jax.shard_map(pipeline, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=P(),
+                               axis_names={AXIS})(staged, x_mbtd.astype(jnp.float32), docs_mbt)
         return y_mbtd.astype(dtype).swapaxes(0, 1).reshape(b, t, d)
 
     return run

@@ -245,7 +245,8 @@ def gib(b: float) -> str:
 
 
 def mesh_label(mesh: dict, pipeline: dict | None = None) -> str:
-    label = "x".join(str(mesh[a]) for a in MESH_AXES)
+    label = "x".join(str(mesh[a]) for a in ("data", "pipeline", "fsdp", "tensor"))
+    label += "".join(f" {a}={mesh[a]}" for a in ("expert", "context") if mesh.get(a, 1) > 1)
     return label + (f" M={pipeline['microbatches']}" if pipeline else "")
 
 

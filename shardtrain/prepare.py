@@ -12,22 +12,28 @@ Layout of the output directory DIR:
   eval/...                   the same for the held-out documents
   parts/NNNNN.json           completion marker of input file NNNNN (written last)
 
-One input file is one unit of work: files are tokenized in parallel processes, and a rerun of an
-interrupted prepare skips every file whose marker matches its inputs and options. A document
-goes to `eval` when crc32("FILE:N") / 2**32 < --eval-fraction (N its index in FILE): the split
-depends on nothing but the file name, the document's place and the fraction.
-Documents: a text file is one document, a JSONL line or a Parquet row (field --text-field) one;
-with --chat a JSONL line's `messages` rendered through the tokenizer's chat template.
+Units of work: an input file, or a part of a large one (JSONL: byte ranges of about PART_BYTES
+cut at line starts; Parquet: runs of row groups), tokenized in parallel processes; part j of file
+NNNNN writes NNNNN.jjjj.bin (a file of one part: NNNNN.bin). Parts depend only on the file, never
+on the number of processes, so the output is the same byte for byte however many run. A rerun of
+an interrupted prepare skips every unit whose marker matches its inputs and options. A document
+goes to `eval` when crc32("FILE:N") / 2**32 < --eval-fraction (N its index in FILE; a part is told
+how many documents the parts before it hold): the split depends on nothing but the file name,
+the document's place and the fraction.
+Documents: a text file is one document (never split), a JSONL line or a Parquet row (field
+--text-field) one; with --chat a JSONL line's `messages` rendered through the tokenizer's chat
+template (chat.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import glob
 import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -42,6 +48,8 @@ FORMAT = "shardtrain-tokens/1"
 SPLITS = ("train", "eval")
 ENCODE_CHARS = 1 << 22
 """Characters of text handed to the tokenizer's batch encoder at once."""
+PART_BYTES = 1 << 27
+"""Input bytes per unit of work: a larger JSONL or Parquet file is split into parts of about this."""
 
 
 @dataclass(frozen=True)
@@ -73,31 +81,112 @@ def input_files(inputs: list[str]) -> list[str]:
     return files
 
 
-def documents(path: str, field: str):
-    """The texts of one input file: a .jsonl line's `field`, a .parquet row's, or the whole file."""
+@dataclass(frozen=True)
+class Part:
+    """Unit of work `part` of `parts` of input file number `file`: bytes [start, stop) of a JSONL
+    file (whose earlier parts hold `first_line` lines, `first_doc` documents), row groups
+    [start, stop) of a Parquet file (after `first_doc` rows), or a whole text file."""
+    file: int
+    path: str
+    part: int = 0
+    parts: int = 1
+    start: int = 0
+    stop: int = -1
+    first_line: int = 0
+    first_doc: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.file:05d}" if self.parts == 1 else f"{self.file:05d}.{self.part:04d}"
+
+
+def kind(path: str) -> str:
     suffixes = Path(path).suffixes
     if ".jsonl" in suffixes or suffixes[-1:] == [".json"]:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
+        return "jsonl"
+    return "parquet" if suffixes[-1:] == [".parquet"] else "text"
+
+
+def _lines(path: str, start: int, stop: int):
+    """The lines (bytes, with their newline) that start in bytes [start, stop) of a file."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        at = start
+        while at < stop:
+            line = f.readline()
+            if not line:
+                return
+            at += len(line)
+            yield line
+
+
+def count_lines(part: Part) -> tuple[int, int]:
+    """(lines, documents: lines that are not blank) of a JSONL part."""
+    lines = docs = 0
+    for line in _lines(part.path, part.start, part.stop):
+        lines, docs = lines + 1, docs + bool(line.strip())
+    return lines, docs
+
+
+def split_file(k: int, path: str, part_bytes: int = PART_BYTES) -> list[Part]:
+    """File `k` as parts of about `part_bytes` (first_line / first_doc still unknown for JSONL)."""
+    how = kind(path)
+    if how == "jsonl" and os.path.getsize(path) > part_bytes:
+        size, cuts = os.path.getsize(path), [0]
+        with open(path, "rb") as f:
+            for at in range(part_bytes, size, part_bytes):
+                if at <= cuts[-1]:
                     continue
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    raise ConfigError(f"{path}:{line_no}: not valid JSON; each line must be one JSON object") from None
-                if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                    have = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                    raise ConfigError(f"{path}:{line_no}: no string field '{field}' (has: {have}); "
-                                      "pass --text-field NAME")
-                yield row[field]
-    elif suffixes[-1:] == [".parquet"]:
+                f.seek(at - 1)
+                f.readline()  # to the start of the next line
+                if f.tell() < size:
+                    cuts.append(f.tell())
+        cuts.append(size)
+        return [Part(k, path, j, len(cuts) - 1, a, b) for j, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    if how == "parquet":
+        import pyarrow.parquet as pq
+        meta = pq.ParquetFile(path).metadata
+        bytes_, runs = 0, [[0, 0, 0]]  # [first row group, stop, first row]
+        for g in range(meta.num_row_groups):
+            if bytes_ >= part_bytes:
+                runs.append([g, g, runs[-1][2] + sum(meta.row_group(i).num_rows for i in range(*runs[-1][:2]))])
+                bytes_ = 0
+            runs[-1][1], bytes_ = g + 1, bytes_ + meta.row_group(g).total_byte_size
+        return [Part(k, path, j, len(runs), a, b, 0, first) for j, (a, b, first) in enumerate(runs)]
+    return [Part(k, path)]
+
+
+def jsonl_rows(part: Part):
+    """(FILE:LINE, the parsed JSON) of each non-blank line of a JSONL part."""
+    stop = os.path.getsize(part.path) if part.stop < 0 else part.stop
+    for line_no, line in enumerate(_lines(part.path, part.start, stop), part.first_line + 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8", errors="replace"))
+        except ValueError:
+            raise ConfigError(f"{part.path}:{line_no}: not valid JSON; each line must be one JSON object") from None
+        yield f"{part.path}:{line_no}", row
+
+
+def documents(part: Part, field: str):
+    """The texts of one part: a .jsonl line's `field`, a .parquet row's, or the whole text file."""
+    path, how = part.path, kind(part.path)
+    if how == "jsonl":
+        for where, row in jsonl_rows(part):
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                have = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+                raise ConfigError(f"{where}: no string field '{field}' (has: {have}); pass --text-field NAME")
+            yield row[field]
+    elif how == "parquet":
         import pyarrow.parquet as pq
         pf = pq.ParquetFile(path)
         if field not in pf.schema_arrow.names:
             raise ConfigError(f"{path}: no column '{field}' (has: {', '.join(pf.schema_arrow.names)}); "
                               "pass --text-field NAME")
-        row_no = 0
-        for batch in pf.iter_batches(columns=[field], batch_size=4096):
+        row_no = part.first_doc
+        groups = range(part.start, pf.metadata.num_row_groups if part.stop < 0 else part.stop)
+        for batch in pf.iter_batches(columns=[field], batch_size=4096, row_groups=groups):
             for text in batch.column(0).to_pylist():
                 if not isinstance(text, str):
                     raise ConfigError(f"{path}: row {row_no} of column '{field}' is {text!r}, not text")
@@ -115,9 +204,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def _marker_key(path: str, opts: Options, tokenizer_sha: str) -> dict:
-    st = os.stat(path)
-    return {"input": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+def _marker_key(part: Part, opts: Options, tokenizer_sha: str) -> dict:
+    st = os.stat(part.path)
+    return {"input": os.path.abspath(part.path), "part": [part.part, part.parts, part.start, part.stop],
+            "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "tokenizer_sha256": tokenizer_sha, "text_field": opts.text_field,
             "eval_fraction": opts.eval_fraction, "eos": opts.eos, **({"chat": True} if opts.chat else {})}
 
@@ -156,13 +246,14 @@ class _SplitWriter:
         return {"tokens": self.offsets[-1], "documents": len(self.offsets) - 1, "sha256": self.sha.hexdigest()}
 
 
-def prepare_file(task: tuple[int, str, Options, dict]) -> dict:
-    """Tokenizes input file number `k` into train/k.bin and eval/k.bin; returns its marker."""
-    k, path, opts, key = task
+def prepare_part(task: tuple[Part, Options, dict]) -> dict:
+    """Tokenizes one part into train/NAME.bin and eval/NAME.bin; returns its marker."""
+    part, opts, key = task
+    path = part.path
     tok = tokenize.load(opts.tokenizer, opts.eos)
     out = Path(opts.out)
     dtype = token_dtype(tok.vocab_size)
-    writers = {s: _SplitWriter(out / s / f"{k:05d}.bin", dtype, mask=opts.chat) for s in SPLITS}
+    writers = {s: _SplitWriter(out / s / f"{part.name}.bin", dtype, mask=opts.chat) for s in SPLITS}
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
     pending: list = []
     template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent) if opts.chat else None
@@ -170,7 +261,7 @@ def prepare_file(task: tuple[int, str, Options, dict]) -> dict:
     def flush(first_index: int):
         if template is None:
             encoded = [(ids, None) for ids in tok.encode_batch(pending)]
-        else:
+        else:  # (ids, assistant mask) of each rendered conversation
             encoded = chat.encode(tok, [t for t, _ in pending], [s for _, s in pending])
         for j, (ids, mask) in enumerate(encoded):
             split = "eval" if is_eval(os.path.basename(path), first_index + j, opts.eval_fraction) else "train"
@@ -178,12 +269,12 @@ def prepare_file(task: tuple[int, str, Options, dict]) -> dict:
 
     def texts():
         if template is None:
-            yield from documents(path, opts.text_field)
+            yield from documents(part, opts.text_field)
             return
-        for where, messages in chat.conversations(path):
-            yield template.render(messages, where)
+        for where, row in jsonl_rows(part):
+            yield template.render(chat.check_messages(row, where), where)
 
-    index = chars = 0
+    index, chars = part.first_doc, 0
     try:
         for text in texts():
             pending.append(text)
@@ -197,72 +288,98 @@ def prepare_file(task: tuple[int, str, Options, dict]) -> dict:
             w.abort()
         raise
     marker = {"key": key, **{s: w.close() for s, w in writers.items()}}
-    part = out / "parts" / f"{k:05d}.json"
-    part.with_suffix(".tmp").write_text(json.dumps(marker))
-    os.replace(part.with_suffix(".tmp"), part)
+    done = out / "parts" / f"{part.name}.json"
+    done.with_suffix(".tmp").write_text(json.dumps(marker))
+    os.replace(done.with_suffix(".tmp"), done)
     return marker
 
 
-def _done(out: Path, k: int, key: dict) -> dict | None:
-    part = out / "parts" / f"{k:05d}.json"
+def _done(out: Path, part: Part, key: dict) -> dict | None:
     try:
-        marker = json.loads(part.read_text())
+        marker = json.loads((out / "parts" / f"{part.name}.json").read_text())
     except (OSError, ValueError):
         return None
     return marker if marker.get("key") == key else None
 
 
-def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=print) -> dict:
-    """Tokenizes `inputs` into opts.out; returns the manifest. Skips files an earlier run finished."""
+def _part_bytes(part: Part) -> int:
+    if kind(part.path) == "jsonl" and part.parts > 1:
+        return part.stop - part.start
+    return os.path.getsize(part.path) // part.parts
+
+
+def _count_documents(todo: list[Part], parts: list[Part], pool) -> list[Part]:
+    """`todo` with each JSONL part told the lines and documents of its file's earlier parts
+    (counted here, in parallel, for the files with a part to do)."""
+    files = {p.file for p in todo if p.parts > 1 and kind(p.path) == "jsonl"}
+    counted = [p for p in parts if p.file in files]
+    counts = dict(zip([(p.file, p.part) for p in counted],
+                      pool.map(count_lines, counted) if pool else map(count_lines, counted)))
+    done = []
+    for p in todo:
+        if p.file in files:
+            before = [counts[p.file, j] for j in range(p.part)]
+            p = dataclasses.replace(p, first_line=sum(c[0] for c in before), first_doc=sum(c[1] for c in before))
+        done.append(p)
+    return done
+
+
+def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=print,
+            part_bytes: int = PART_BYTES) -> dict:
+    """Tokenizes `inputs` into opts.out; returns the manifest. Skips units an earlier run finished."""
     from tqdm import tqdm
     if not 0 <= opts.eval_fraction < 1:
         raise ConfigError(f"--eval-fraction: must be in [0, 1), got {opts.eval_fraction}")
+    if "://" in opts.out:
+        raise ConfigError(f"--out {opts.out}: prepare writes to local disk; prepare into a local DIR, copy it up "
+                          f"(gcloud storage cp -r DIR {opts.out}) and train with data.path={opts.out}")
     files = input_files(inputs)
     tok = tokenize.load(opts.tokenizer, opts.eos)  # a bad tokenizer or --eos fails here, before any work
     tok_sha = hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() if tok.name != "bytes" else "bytes"
     if opts.chat:  # no template, or an input that is not JSONL: an error before any work
-        if not isinstance(tok, tokenize.HfTokenizer):  # chat.encode reads a tokenizer.json's character offsets
+        if not isinstance(tok, tokenize.HfTokenizer):  # chat.encode reads the tokenizer's character offsets
             raise ConfigError(f"--chat needs a Hugging Face tokenizer directory with a chat template, not "
                               f"`{opts.tokenizer}`")
         template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent)
         tok_sha += hashlib.sha256(template.source.encode()).hexdigest()
         for f in files:
-            if ".jsonl" not in Path(f).suffixes:
+            if kind(f) != "jsonl":
                 raise ConfigError(f"{f}: --chat reads JSONL files (a {{'messages': [...]}} per line), not this")
     out = Path(opts.out)
     for d in (*SPLITS, "parts"):
         (out / d).mkdir(parents=True, exist_ok=True)
-    tasks = [(k, f, opts, _marker_key(f, opts, tok_sha)) for k, f in enumerate(files)]
-    markers = {k: _done(out, k, key) for k, _, _, key in tasks}
-    todo = [t for t in tasks if markers[t[0]] is None]
-    if len(todo) < len(tasks):
-        say(f"prepare: {len(tasks) - len(todo)} of {len(tasks)} input files already done in {out}; skipping them")
+    parts = [p for k, f in enumerate(files) for p in split_file(k, f, part_bytes)]
+    keys = {(p.file, p.part): _marker_key(p, opts, tok_sha) for p in parts}
+    markers = {(p.file, p.part): _done(out, p, keys[p.file, p.part]) for p in parts}
+    todo = [p for p in parts if markers[p.file, p.part] is None]
+    if len(todo) < len(parts):
+        say(f"prepare: {len(parts) - len(todo)} of {len(parts)} input files or parts already done in {out}; "
+            "skipping them")
     t0 = time.perf_counter()
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
-    total_bytes = sum(os.path.getsize(t[1]) for t in todo)
-    # delay: a mistake found at once prints its one error line without a bar
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not todo, delay=1.0) as bar:
-        if workers == 1:
-            for task in todo:
-                markers[task[0]] = prepare_file(task)
-                bar.update(os.path.getsize(task[1]))
-        else:
-            with multiprocessing.get_context("spawn").Pool(workers) as pool:
-                for task, marker in zip(todo, pool.imap(prepare_file, todo)):
-                    markers[task[0]] = marker
-                    bar.update(os.path.getsize(task[1]))
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(workers)) if workers > 1 else None
+        todo = _count_documents(todo, parts, pool)
+        tasks = [(p, opts, keys[p.file, p.part]) for p in todo]
+        sizes = [_part_bytes(p) for p in todo]
+        # delay: a mistake found at once prints its one error line without a bar
+        with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="prepare", disable=not todo, delay=1.0) as bar:
+            results = pool.imap(prepare_part, tasks) if pool else map(prepare_part, tasks)
+            for part, size, marker in zip(todo, sizes, results):
+                markers[part.file, part.part] = marker
+                bar.update(size)
     seconds = time.perf_counter() - t0
 
     if tok.name != "bytes":
-        shutil.copyfile(tok.path, out / "tokenizer.json")
+        tok.save(out / "tokenizer.json")
     manifest = {"format": FORMAT, "tokenizer": "bytes" if tok.name == "bytes" else "tokenizer.json",
                 "loss_mask": opts.chat, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                 "dtype": token_dtype(tok.vocab_size).name,
                 "options": {k: v for k, v in asdict(opts).items() if k != "out"}, "splits": {}}
     for split in SPLITS:
-        shards = [{"file": f"{split}/{k:05d}.bin", "index": f"{split}/{k:05d}.idx.npy", **markers[k][split],
-                   **({"mask": f"{split}/{k:05d}.mask.bin"} if opts.chat else {})}
-                  for k in sorted(markers) if markers[k][split]["tokens"]]
+        shards = [{"file": f"{split}/{p.name}.bin", "index": f"{split}/{p.name}.idx.npy",
+                   **markers[p.file, p.part][split], **({"mask": f"{split}/{p.name}.mask.bin"} if opts.chat else {})}
+                  for p in parts if markers[p.file, p.part][split]["tokens"]]
         manifest["splits"][split] = {"tokens": sum(s["tokens"] for s in shards),
                                      "documents": sum(s["documents"] for s in shards), "shards": shards}
     train, held = manifest["splits"]["train"], manifest["splits"]["eval"]
@@ -272,7 +389,7 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
         raise ConfigError(f"--eval-fraction {opts.eval_fraction} held out none of the {train['documents']} "
                           "documents; raise it or add documents")
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    new_tokens = sum(markers[t[0]][s]["tokens"] for t in todo for s in SPLITS)
+    new_tokens = sum(markers[p.file, p.part][s]["tokens"] for p in todo for s in SPLITS)
     say(f"prepared {train['documents'] + held['documents']} documents from {len(files)} files into {out}: "
         f"{train['tokens']} train / {held['tokens']} eval tokens, vocab {tok.vocab_size}, "
         f"{new_tokens / max(seconds, 1e-9):.0f} tokens/s on {workers} process(es)")

@@ -1,5 +1,9 @@
 """`shardtrain plan --search`: every data x pipeline x fsdp x tensor mesh of N devices (and
-micro-batch counts for pipelines), ranked by the planner's estimated step time.
+micro-batch counts for pipelines), ranked by the planner's estimated step time. The `expert` axis
+joins them for an MoE model (sizes dividing model.n_experts), `context` for sequences long enough
+to split (each device keeps 2 chunks of at least CONTEXT_MIN_CHUNK tokens). Across slices (a TPU
+multi-slice topology, or a config whose mesh.dcn joins hosts) every split of the slices over data,
+pipeline and fsdp is searched, each with every mesh of one slice's devices.
 
 A mesh is valid when `step.build` accepts it: the sharding rules' divisibility errors
 (`sharding.spec_for`) and the pipeline's own checks are the filter. Valid meshes whose parameters
@@ -22,21 +26,52 @@ import yaml
 from tqdm import tqdm
 
 from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, sharding, step as step_lib
-from shardtrain.config import ConfigError, MeshConfig, RunConfig, dump, validate
+from shardtrain.config import MESH_AXES, ConfigError, DcnConfig, MeshConfig, RunConfig, dump, validate
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def factorisations(n: int) -> list[dict[str, int]]:
-    """Every (data, pipeline, fsdp, tensor) with product n, each once."""
-    out = []
-    for d in divisors(n):
-        for p in divisors(n // d):
-            for f in divisors(n // d // p):
-                out.append({"data": d, "pipeline": p, "fsdp": f, "tensor": n // d // p // f})
-    return out
+BASE_AXES = ("data", "pipeline", "fsdp", "tensor")
+CONTEXT_MIN_CHUNK = 512
+"""Context parallelism is searched only where each of a device's two chunks keeps this many
+tokens: below that the ring's per-block overhead outweighs what splitting the sequence saves."""
+
+
+def factorisations(n: int, axes: tuple[str, ...] = BASE_AXES) -> list[dict[str, int]]:
+    """Every assignment of sizes to `axes` (the other mesh axes 1) with product n, each once."""
+    def split(n, axes):
+        if len(axes) == 1:
+            return [{axes[0]: n}]
+        return [{axes[0]: d, **rest} for d in divisors(n) for rest in split(n // d, axes[1:])]
+    return [{a: m.get(a, 1) for a in MESH_AXES} for m in split(n, tuple(a for a in MESH_AXES if a in axes))]
+
+
+def search_axes(cfg: RunConfig) -> tuple[str, ...]:
+    """The mesh axes worth searching for this model: the base four, `expert` for MoE, `context`
+    for long sequences."""
+    axes = BASE_AXES + (("expert",) if cfg.model.n_experts > 1 else ())
+    return axes + (("context",) if cfg.data.seq_len >= 4 * CONTEXT_MIN_CHUNK else ())
+
+
+def allowed(cfg: RunConfig, sizes: dict[str, int]) -> bool:
+    """Expert sizes divide the experts; context sizes leave chunks of CONTEXT_MIN_CHUNK tokens."""
+    if sizes["expert"] > 1 and cfg.model.n_experts % sizes["expert"]:
+        return False
+    return sizes["context"] == 1 or cfg.data.seq_len % (2 * sizes["context"] * CONTEXT_MIN_CHUNK) == 0
+
+
+DCN_AXES = ("data", "pipeline", "fsdp")
+"""Axes searched across slices / hosts (the slow network); tensor, expert and context stay on ICI."""
+
+
+def dcn_placements(cfg: RunConfig, devices: list) -> list[dict[str, int] | None]:
+    """How the slices (TPU devices' slice_index) or the config's mesh.dcn granules may split over
+    DCN_AXES; [None] for one slice."""
+    granules = len({getattr(d, "slice_index", 0) for d in devices})
+    granules = granules if granules > 1 else math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
+    return factorisations(granules, DCN_AXES) if granules > 1 else [None]
 
 
 def microbatch_counts(cfg: RunConfig, sizes: dict[str, int]) -> list[int | None]:
@@ -53,9 +88,11 @@ def microbatch_counts(cfg: RunConfig, sizes: dict[str, int]) -> list[int | None]
     return [m for m in valid if m != p or len(valid) == 1 or m == cfg.train.microbatches]
 
 
-def candidate(cfg: RunConfig, sizes: dict[str, int], microbatches: int | None) -> RunConfig:
+def candidate(cfg: RunConfig, sizes: dict[str, int], microbatches: int | None,
+              dcn: dict[str, int] | None = None) -> RunConfig:
+    """cfg with the mesh `sizes` (per slice when `dcn` splits axes across slices)."""
     train = dataclasses.replace(cfg.train, microbatches=microbatches) if microbatches else cfg.train
-    new = dataclasses.replace(cfg, mesh=MeshConfig(**sizes), train=train)
+    new = dataclasses.replace(cfg, mesh=MeshConfig(**sizes, dcn=DcnConfig(**(dcn or {}))), train=train)
     validate(new)
     return new
 
@@ -68,9 +105,11 @@ class Row:
     """ranked | no fit (state) | not built: <reason>"""
     report: dict | None = None
     state_bytes: int | None = None
+    dcn: dict | None = None
+    """Sizes across slices (multi-slice targets); `mesh` is then per slice."""
 
     def as_dict(self) -> dict:
-        return {"mesh": self.mesh, "microbatches": self.microbatches, "status": self.status,
+        return {"mesh": self.mesh, "dcn": self.dcn, "microbatches": self.microbatches, "status": self.status,
                 "state_bytes_per_device": self.state_bytes, "report": self.report}
 
 
@@ -79,29 +118,33 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
     n = len(devices)
     limit = plan.per_device(chip, n).hbm_bytes
     rows, rejected, todo = [], [], []
-    for sizes in factorisations(n):
+    meshes = [(ici, dcn) for dcn in dcn_placements(cfg, devices)
+              for ici in factorisations(n // math.prod((dcn or {}).values()), search_axes(cfg)) if allowed(cfg, ici)]
+    for sizes, dcn in meshes:
         reasons = []
-        for m in microbatch_counts(cfg, sizes):
+        total = {a: sizes[a] * (dcn or {}).get(a, 1) for a in MESH_AXES}
+        for m in microbatch_counts(cfg, total):
             try:
-                c = candidate(cfg, sizes, m)
+                c = candidate(cfg, sizes, m, dcn)
                 prog = step_lib.build(c, mesh_lib.make_mesh(c.mesh, devices))
             except ConfigError as e:
                 reasons.append(str(e))
                 continue
             except Exception as e:  # e.g. a pipeline module missing or failing: report, go on
-                rows.append(Row(sizes, m, f"not built: {type(e).__name__}: {str(e)[:200]}"))
+                rows.append(Row(sizes, m, f"not built: {type(e).__name__}: {str(e)[:200]}", dcn=dcn))
                 continue
             state = sharding.shard_bytes(prog.abstract_state)
-            row = Row(sizes, m, "ranked", state_bytes=state)
+            row = Row(sizes, m, "ranked", state_bytes=state, dcn=dcn)
             rows.append(row)
             if state > limit:
                 row.status = "no fit (state)"
             else:
                 todo.append((row, prog))
-        if reasons and not any(r.mesh == sizes for r in rows):
-            rejected.append({"mesh": sizes, "reason": "; ".join(dict.fromkeys(reasons))})
-        elif not microbatch_counts(cfg, sizes):
-            rejected.append({"mesh": sizes, "reason": "no micro-batch count splits the batch over data x fsdp"})
+        if reasons and not any(r.mesh == sizes and r.dcn == dcn for r in rows):
+            rejected.append({"mesh": sizes, "dcn": dcn, "reason": "; ".join(dict.fromkeys(reasons))})
+        elif not microbatch_counts(cfg, total):
+            rejected.append({"mesh": sizes, "dcn": dcn,
+                             "reason": "no micro-batch count splits the batch over data x fsdp"})
     if not rows:
         raise ConfigError(f"no mesh of {n} devices suits this model: " +
                           "; ".join(f"{r['mesh']}: {r['reason']}" for r in rejected[:4]))
@@ -155,7 +198,7 @@ def no_fit_message(cfg: RunConfig, rows: list[Row], n: int, limit: float, chip: 
     activations = m["total"] - m["params"] - m["optimizer"]
     room = limit - m["params"] - m["optimizer"]
     batch = int(cfg.train.global_batch_size * room / activations) if activations > 0 else 0
-    rows_per_step = r.mesh["data"] * r.mesh["fsdp"]  # the smallest batch this mesh can split
+    rows_per_step = math.prod(r.mesh[a] * (r.dcn or {}).get(a, 1) for a in ("data", "fsdp"))  # smallest batch it splits
     fix = (f"or train.global_batch_size <= about {batch}" if batch >= rows_per_step else
            "or a shorter data.seq_len; even one sequence per device does not fit, so a smaller batch alone will not do")
     return (f"{head}: the smallest total is {plan.gib(m['total'])} on mesh {plan.mesh_label(r.mesh)}, of which "
@@ -169,7 +212,7 @@ def format_table(result: dict) -> str:
              f"(memory limit {plan.gib(result['memory_limit_bytes'])} per device); "
              f"{len(result['rejected'])} factorisations rejected by the model's dimensions", head]
     for i, row in enumerate(result["rows"], 1):
-        label = plan.mesh_label(row["mesh"]) + (f" M={row['microbatches']}" if row["microbatches"] else "")
+        label = label_of(row) + (f" M={row['microbatches']}" if row["microbatches"] else "")
         r = row["report"]
         if r is None:
             state = plan.gib(row["state_bytes_per_device"]) if row["state_bytes_per_device"] else "-"
@@ -183,8 +226,14 @@ def format_table(result: dict) -> str:
                      f"{e['mfu']:>8.1%}  {e['bottleneck']}")
     if result["rejected"]:
         lines.append("rejected (the model's dimensions or the batch do not split over these axes):")
-        lines += [f"     {plan.mesh_label(r['mesh']):<28}{r['reason']}" for r in result["rejected"]]
+        lines += [f"     {label_of(r):<28}{r['reason']}" for r in result["rejected"]]
     return "\n".join(lines)
+
+
+def label_of(row: dict) -> str:
+    """The mesh of a row; across slices, e.g. "1x1x128x1 dcn data=2" (per slice, then the DCN split)."""
+    dcn = {a: s for a, s in (row.get("dcn") or {}).items() if s > 1}
+    return plan.mesh_label(row["mesh"]) + ("".join(f" dcn {a}={s}" for a, s in dcn.items()))
 
 
 def write_best(cfg: RunConfig, result: dict, path: str) -> None:
@@ -193,7 +242,7 @@ def write_best(cfg: RunConfig, result: dict, path: str) -> None:
     if best is None:
         raise ConfigError("--write: no mesh fits, nothing to write")
     name = Path(path).stem
-    c = dataclasses.replace(candidate(cfg, best["mesh"], best["microbatches"]), name=name, run_dir=None)
+    c = dataclasses.replace(candidate(cfg, best["mesh"], best["microbatches"], best["dcn"]), name=name, run_dir=None)
     text = dump(c)
     tree = yaml.safe_load(text)
     del tree["run_dir"]

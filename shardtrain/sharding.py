@@ -7,7 +7,9 @@ logical names only; this module is the one place where those names meet mesh axe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,20 +117,89 @@ class Constrain:
             return None
         return self.mesh.devices.flat[0].platform
 
-    def shard_map(self, fn, in_names, out_names):
-        """`fn` run per shard (a `jax.shard_map`) with inputs and outputs split by logical names:
-        for kernels that need local shapes (splash attention). Manual over every mesh axis not
-        already manual; axes the names leave out see replicated data. No mesh: `fn` itself."""
+    def split_axes(self, name: str) -> tuple[str, ...]:
+        """Mesh axes (of size > 1) that logical axis `name` is split over; () without a mesh."""
         if self.mesh is None:
-            return fn
+            return ()
+        return tuple(a for a in mesh_axes(getattr(self.rules, name)) if self.mesh.shape[a] > 1)
+
+    def size(self, name: str) -> int:
+        """Ways logical axis `name` is split (1 without a mesh): a model asks `size("seq")` to pick
+        ring attention, never which mesh axes those are."""
+        return axes_size(self.mesh, self.split_axes(name)) if self.mesh is not None else 1
+
+    def shard_map(self, fn, in_names, out_names):
+        """`fn(shard, *local_arrays)` run on each device's shards (a `jax.shard_map` manual over every
+        mesh axis not already manual), inputs and outputs split by logical names (axes the names
+        leave out see replicated data): for kernels that need local shapes (splash attention) and
+        for code that moves data between devices (MoE dispatch, ring attention). `shard` (a `Shard`)
+        offers collectives over logical axes, so `fn` never names a mesh axis. `out_names`: one
+        tuple of names, or a tuple of them for several outputs. No mesh: `fn(Shard.UNSHARDED, ...)`
+        on the whole arrays. Varying-manual-axes checking is off (`check_vma=False`): Pallas kernels
+        (splash) do not declare it; the collectives above are the only cross-device ones."""
+        if self.mesh is None:
+            return functools.partial(fn, Shard.UNSHARDED)
         current = jax.sharding.get_abstract_mesh()
         mesh = current if current.manual_axes else self.mesh
-        free = {a for a in self.mesh.axis_names if a not in current.manual_axes}
+        free = frozenset(a for a in self.mesh.axis_names if a not in current.manual_axes)
+        axes = {n: self.split_axes(n) for n in LOGICAL_AXES}
+        shard = Shard({n: a for n, a in axes.items() if a and set(a) <= free},
+                      {a: int(self.mesh.shape[a]) for a in free})
 
         def spec(names, what):
-            return spec_for(names, self.rules, self.mesh, what=f"{what} {names}")
+            return spec_for(names, self.rules, self.mesh, what=f"{what} {tuple(names)}")
 
+        many = bool(out_names) and all(isinstance(n, tuple) for n in out_names)
+        out_specs = (tuple(spec(n, "shard_map output") for n in out_names) if many
+                     else spec(out_names, "shard_map output"))
         in_specs = tuple(spec(n, "shard_map input") for n in in_names)
-        out_specs = spec(out_names, "shard_map output")
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             axis_names=free, check_vma=False)
+        return jax.shard_map(functools.partial(fn, shard), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=set(free), check_vma=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Collectives over logical axes inside `Constrain.shard_map` (identities when unsharded)."""
+
+    axes: dict
+    """logical name -> its mesh axes (size > 1, manual here); absent names are not split."""
+    sizes: dict
+    """manual mesh axis -> size."""
+
+    UNSHARDED: typing.ClassVar[Shard]
+
+    def size(self, name: str) -> int:
+        return math.prod(self.sizes[a] for a in self.axes.get(name, ()))
+
+    def index(self, name: str):
+        """This device's position along logical axis `name` (0 when not split)."""
+        index = 0
+        for a in self.axes.get(name, ()):
+            index = index * self.sizes[a] + jax.lax.axis_index(a)
+        return index
+
+    def psum(self, x, name: str):
+        axes = self.axes.get(name, ())
+        return jax.lax.psum(x, axes) if axes else x
+
+    def all_gather(self, x, name: str, axis: int):
+        """The whole of dimension `axis`, which is split over logical axis `name`."""
+        axes = self.axes.get(name, ())
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=True) if axes else x
+
+    def all_to_all(self, x, name: str, axis: int = 0):
+        """Block j of dimension `axis` (size = size(name)) goes to device j along `name`; block i of
+        the result came from device i."""
+        axes = self.axes.get(name, ())
+        return jax.lax.all_to_all(x, axes, axis, axis, tiled=True) if axes else x
+
+    def ring_shift(self, x, name: str):
+        """Each device's `x` (a pytree) to the next device along `name` (the last to the first)."""
+        axes = self.axes.get(name, ())
+        if not axes:
+            return x
+        n = self.size(name)
+        return jax.lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
+
+
+Shard.UNSHARDED = Shard({}, {})

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
+from models import attention
 from shardtrain import comm, data, optim, pipeline, sharding
 from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
@@ -49,6 +50,9 @@ class Program:
 
     loss_sums: Callable
     """(params, batch) -> (summed token loss, counted tokens), unjitted (evaluate.py jits it)."""
+    loss_and_grads: Callable = None
+    """jitted (params, batch) -> (losses, gradients) of the step, before any cross-replica
+    reduction mode or update (tests compare meshes with it)."""
 
     def abstract_batch(self):
         """The global batch: int32 (B, T+1) tokens, or for packed data a dict of PACKED_FIELDS of them."""
@@ -137,10 +141,29 @@ def blocks_runner(cfg: RunConfig, mesh: Mesh) -> Callable:
     (its errors name layers, stages, repeats), else a scan."""
     if mesh.shape["pipeline"] == 1:
         return scan_runner(cfg)
-    if data.packed(cfg):
-        raise ConfigError(f"data.source={cfg.data.source} packs documents with segment ids, which the pipeline "
-                          "(mesh.pipeline > 1) does not carry yet; use mesh.pipeline=1")
+    if cfg.model.n_experts > 1 or sharding.Constrain(cfg.rules, mesh).size("seq") > 1:
+        raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.n_experts > 1) or context "
+                          "parallelism (mesh.context > 1) yet; use mesh.pipeline=1")
     return pipeline.runner(cfg, mesh)
+
+
+def context_order(cfg: RunConfig, mesh: Mesh) -> Callable | None:
+    """Under context parallelism (`seq` split n ways, n > 1), `reorder(x_bt)`: x's positions in the
+    causal load-balanced order (chunks i and 2n-1-i of 2n on device i; models/attention.py),
+    split over `seq`; else None. The loss feeds every field of the batch in this order, positions
+    included: the summed loss is the same in any order, so nothing is un-permuted."""
+    constrain = sharding.Constrain(cfg.rules, mesh)
+    n = constrain.size("seq")
+    if n == 1:
+        return None
+    if comm.enabled(cfg):
+        raise ConfigError("mesh.context > 1 does not combine with train.sync=local_sgd or a compressed "
+                          "train.grad_reduce_dtype yet; use mesh.context=1")
+    if cfg.data.seq_len % (2 * n):
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be a multiple of 2 x the {n} ways rules.seq "
+                          f"splits it (mesh.context): context parallelism gives each device two chunks")
+    order_t = jnp.asarray(attention.load_balanced_order(cfg.data.seq_len, n))
+    return lambda x_bt: constrain(x_bt[:, order_t], ("batch", "seq"))
 
 
 def abstract_params(cfg: RunConfig, constrain) -> tuple[Any, dict, dict]:
@@ -185,63 +208,82 @@ def init_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
     return init
 
 
-def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
-    """(params, batch) -> (summed next-token cross-entropy over the counted positions, their number),
-    computed in train.compute_dtype: embed -> run_blocks -> head (packed documents: see `unpack`)."""
+def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callable | None = None) -> Callable:
+    """(params, batch) -> (summed next-token cross-entropy over the counted positions, their number,
+    the auxiliary losses the model reports: a dict, e.g. an MoE router's), computed in
+    train.compute_dtype: embed -> run_blocks -> head (packed documents: see `unpack`). `reorder`
+    (`context_order`) is applied to every field of the batch, positions included."""
     compute_dtype = dtype(cfg.train.compute_dtype)
 
     def loss_sums(params, batch):
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
         inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
-        docs = {} if segment_ids_bt is None else {"segment_ids": segment_ids_bt, "positions": positions_bt}
-        x_btd = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
+        if reorder is not None:  # context parallelism: every field in the load-balanced order
+            if positions_bt is None:
+                positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
+            fields = (inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt)
+            inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = (
+                None if x is None else reorder(x) for x in fields)
+        docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
+        out = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
+        x_btd, aux = out if isinstance(out, tuple) else (out, {})
         total = weighted_cross_entropy_sum(model.head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk)
-        return total, weights_bt.sum()
+        return total, weights_bt.sum(), aux
     return loss_sums
 
 
-def loss_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
-    """(params, batch, denominator=None) -> summed token loss / denominator (default: the batch's
-    own counted tokens, i.e. the mean)."""
-    loss_sums = loss_sums_fn(cfg, graphdef, run_blocks)
+def loss_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callable | None = None) -> Callable:
+    """(params, batch, denominator=None) -> (objective, losses): `losses["loss"]` the summed token loss
+    / denominator (default: the batch's own counted tokens, i.e. the mean), plus each auxiliary loss
+    the model reports (an MoE router's) / train.grad_accum_steps; the objective is their sum, every
+    entry is logged."""
+    loss_sums = loss_sums_fn(cfg, graphdef, run_blocks, reorder)
 
     def loss(params, batch, denominator=None):
-        total, count = loss_sums(params, batch)
-        return total / (jnp.maximum(count, 1.0) if denominator is None else denominator)
+        total, count, aux = loss_sums(params, batch)
+        losses = {"loss": total / (jnp.maximum(count, 1.0) if denominator is None else denominator),
+                  **{k: v / cfg.train.grad_accum_steps for k, v in aux.items()}}
+        return sum(losses.values()), losses
     return loss
 
 
-def make_loss_and_grads(cfg: RunConfig, run_blocks: Callable, constrain) -> Callable:
-    """(params, batch) -> (loss, grads): the mean token loss over train.grad_accum_steps micro-batches
-    (= the full batch's), activations constrained by `constrain` (comm.py passes its own, per replica)."""
-    loss = loss_fn(cfg, nnx.split(abstract_model(cfg, constrain))[0], run_blocks)
+def make_loss_and_grads(cfg: RunConfig, run_blocks: Callable, reorder: Callable | None, constrain) -> Callable:
+    """(params, batch) -> (losses, grads): the mean losses (a dict: `loss` the token loss, and any
+    auxiliary losses) and gradients over train.grad_accum_steps micro-batches (= the full batch's),
+    activations constrained by `constrain` (comm.py passes its own, per replica)."""
+    loss = loss_fn(cfg, nnx.split(abstract_model(cfg, constrain))[0], run_blocks, reorder)
+    grad_fn = jax.grad(loss, has_aux=True)
     accum = cfg.train.grad_accum_steps
 
     def loss_and_grads(params, batch):
         denominator = jnp.maximum(unpack(batch)[-1].sum(), 1.0)  # the whole step's counted tokens
         if accum == 1:
-            return jax.value_and_grad(loss)(params, batch, denominator)
+            grads, losses = grad_fn(params, batch, denominator)
+            return losses, grads
         micro = jax.tree.map(lambda x: x.reshape(accum, -1, x.shape[-1]), batch)  # (B, T+1) -> (A, B/A, T+1)
 
         def body(carry, micro_batch):
             micro_batch = jax.tree.map(lambda x: constrain(x, ("batch", None)), micro_batch)
-            value, grads = jax.value_and_grad(loss)(params, micro_batch, denominator)
-            return jax.tree.map(jnp.add, carry, (value, grads)), None
+            grads, losses = grad_fn(params, micro_batch, denominator)
+            return jax.tree.map(jnp.add, carry, (losses, grads)), None
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        abstract_losses = jax.eval_shape(loss, params, jax.tree.map(lambda x: x[0], micro), denominator)[1]
+        zeros = (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_losses),
+                 jax.tree.map(jnp.zeros_like, params))
         return jax.lax.scan(body, zeros, micro)[0]
     return loss_and_grads
 
 
 def update_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
-    """(state, loss, grads) -> (state, metrics): applies reduced gradients; params, opt and step
-    advance, other state entries pass through."""
+    """(state, losses, grads) -> (state, metrics): applies reduced gradients; params, opt and step
+    advance, other state entries pass through. `losses`: the dict loss_and_grads returns (`loss`
+    and any auxiliary losses), all logged."""
     lr = optim.schedule(cfg)
 
-    def update(state, loss, grads):
+    def update(state, losses, grads):
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
+        metrics = {**losses, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
         return {**state, "params": params, "opt": opt, "step": state["step"] + 1}, metrics
     return update
 
@@ -259,27 +301,34 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
     5. jit: `init` creates the state already sharded, `step` donates it.
     """
     run_blocks = blocks_runner(cfg, mesh)  # first: the pipeline's errors name layers, stages, repeats
+    reorder = context_order(cfg, mesh)
     constrain = sharding.Constrain(cfg.rules, mesh)
     tx = optim.make(cfg)
 
     graphdef, params, names = abstract_params(cfg, constrain)                                 # 1
     shardings = state_shardings(cfg, mesh, tx, params, names)                                 # 2
     batch = batch_sharding(cfg, mesh)
-    make_loss = functools.partial(make_loss_and_grads, cfg, run_blocks)                       # 3
+    make_loss = functools.partial(make_loss_and_grads, cfg, run_blocks, reorder)              # 3
     init, update = init_fn(cfg, tx), update_fn(cfg, tx)                                       # 4
     loss_and_grads = make_loss(constrain)
 
     def train_step(state, batch):
         return update(state, *loss_and_grads(state["params"], batch))
 
+    if comm.enabled(cfg) and cfg.model.n_experts > 1 and mesh.shape["expert"] > 1:
+        raise ConfigError("mesh.expert > 1 does not combine with train.sync=local_sgd or a compressed "
+                          "train.grad_reduce_dtype yet; use mesh.expert=1")
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
         shardings, init, train_step = comm.build(cfg, mesh, comm.Base(shardings, init, update, make_loss))
     abstract_state = with_shardings(jax.eval_shape(init, jax.random.key(0)), shardings)
+    loss_sums = loss_sums_fn(cfg, graphdef, run_blocks, reorder)
 
     return Program(                                                                           # 5
         cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=shardings,
-        batch_sharding=batch, abstract_state=abstract_state, loss_sums=loss_sums_fn(cfg, graphdef, run_blocks),
+        batch_sharding=batch, abstract_state=abstract_state, loss_sums=lambda p, b: loss_sums(p, b)[:2],
         init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=shardings),
         step=jax.jit(train_step, in_shardings=(shardings, batch),
                      out_shardings=(shardings, shardings["step"]), donate_argnums=0),
+        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(shardings["params"], batch),
+                               out_shardings=(shardings["step"], shardings["params"])),
     )

@@ -1,5 +1,14 @@
-"""Tokenizers: Hugging Face `tokenizers` (a tokenizer.json, or a directory holding one) and the
-built-in byte-level tokenizer (`bytes`: ids 0..255, the UTF-8 bytes, no EOS of its own).
+"""Tokenizers: Hugging Face `tokenizers` (a tokenizer.json, or a directory holding one), the
+built-in byte-level tokenizer (`bytes`: ids 0..255, the UTF-8 bytes, no EOS of its own), and two
+vocabularies converted to a `tokenizers.Tokenizer` when loaded (the `convert` extra: transformers'
+converters), which `prepare` then saves as the dataset's tokenizer.json:
+  sentencepiece  a `tokenizer.model` protobuf (BPE or unigram; Llama 1/2, Mistral, Gemma, T5):
+                 the same ids as sentencepiece's own encode, byte fallback included
+  tiktoken       a BPE ranks file (lines "BASE64 RANK"; Llama 3's original/tokenizer.model,
+                 *.tiktoken): split by TIKTOKEN_PATTERN (cl100k's, which Llama 3 uses). The file
+                 holds no special tokens: the EOS (--eos, default <|endoftext|>) is added after the
+                 last rank.
+A directory is searched for tokenizer.json, then tokenizer.model, then one *.tiktoken file.
 
 EOS: the tokenizer's first special token among EOS_NAMES, else the one given with `--eos TOKEN`.
 Special tokens: `prepare` encodes without them (a document's text is its tokens; EOS is appended,
@@ -9,6 +18,11 @@ and a chat template writes BOS itself); `generate` encodes a prompt with them
 
 from __future__ import annotations
 
+import base64
+import functools
+import importlib
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +30,9 @@ import numpy as np
 from shardtrain.config import ConfigError
 
 EOS_NAMES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>")
+TIKTOKEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                    r"\s*[\r\n]+|\s+(?!\S)|\s+")
+"""How a tiktoken vocabulary splits text before BPE (cl100k_base's pattern, also Llama 3's)."""
 
 
 class ByteTokenizer:
@@ -32,18 +49,77 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+
+
+def _converters():
+    try:  # the module (transformers' top level exports a function of the same name)
+        convert_slow_tokenizer = importlib.import_module("transformers.convert_slow_tokenizer")
+        convert_slow_tokenizer.import_protobuf()
+    except ImportError as e:
+        raise ConfigError(f"converting a sentencepiece or tiktoken vocabulary needs transformers and protobuf "
+                          f"({_first_line(e)}); pip install 'shardtrain[convert]'") from None
+    return convert_slow_tokenizer
+
+
+def from_sentencepiece(path: Path):
+    """A sentencepiece model as a `tokenizers.Tokenizer` that encodes like sentencepiece does."""
+    convert = _converters()
+    proto = convert.import_protobuf().ModelProto()
+    try:
+        proto.ParseFromString(path.read_bytes())
+    except Exception as e:  # protobuf's DecodeError
+        raise ConfigError(f"--tokenizer {path}: not a sentencepiece model ({_first_line(e)})") from None
+    if proto.trainer_spec.model_type == 2:  # BPE: merges come from the piece scores
+        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    elif proto.trainer_spec.model_type == 1:
+        vocab = [(p.piece, p.score) for p in proto.pieces]
+    else:
+        raise ConfigError(f"--tokenizer {path}: a sentencepiece {proto.trainer_spec.model_type} model; only BPE "
+                          "and unigram models convert")
+    return convert.SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+
+
+def from_tiktoken(path: Path, eos: str | None):
+    """A tiktoken BPE ranks file as a byte-level BPE `tokenizers.Tokenizer`, EOS added after the ranks."""
+    ranks = {}
+    for line_no, line in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise ConfigError(f"{path}:{line_no}: not a tiktoken line 'BASE64 RANK'") from None
+
+    class Converter(_converters().TikTokenConverter):
+        load_tiktoken_bpe = staticmethod(lambda _: ranks)
+
+    return Converter(str(path), pattern=TIKTOKEN_PATTERN, extra_special_tokens=[eos or EOS_NAMES[2]]).converted()
+
+
+def is_tiktoken(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\r?\n?", f.readline(200)) is not None
+
+
 class HfTokenizer:
-    """A `tokenizers.Tokenizer` loaded from a tokenizer.json. Without an EOS (and require_eos
-    false, as generate reads a model's EOS from its config) eos_id is None."""
+    """A `tokenizers.Tokenizer` from a tokenizer.json, or converted from sentencepiece / tiktoken.
+    Without an EOS (and require_eos false, as generate reads a model's EOS from its config) eos_id
+    is None."""
 
     def __init__(self, path: Path, eos: str | None = None, require_eos: bool = True):
         from tokenizers import Tokenizer
         self.path = path
-        try:
-            self.tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises plain Exceptions for bad JSON
-            first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-            raise ConfigError(f"--tokenizer {path}: not a tokenizers JSON file ({first})") from None
+        self.converted = path.suffix != ".json"
+        if not self.converted:
+            try:
+                self.tok = Tokenizer.from_file(str(path))
+            except Exception as e:  # tokenizers raises plain Exceptions for bad JSON
+                raise ConfigError(f"--tokenizer {path}: not a tokenizers JSON file ({_first_line(e)})") from None
+        elif is_tiktoken(path):
+            self.tok = from_tiktoken(path, eos)
+        else:
+            self.tok = from_sentencepiece(path)
         self.name = str(path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos_id(eos, require_eos)
@@ -74,20 +150,29 @@ class HfTokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def save(self, path: Path) -> None:
+        """As a tokenizer.json (a converted vocabulary is written out, a tokenizer.json copied)."""
+        if self.converted:
+            self.tok.save(str(path))
+        else:
+            shutil.copyfile(self.path, path)
+
 
 def tokenizer_file(spec: str) -> Path:
-    """The tokenizer.json of `spec` (a file, or a directory that holds one)."""
+    """The tokenizer file of `spec`: a file, or a directory's tokenizer.json, tokenizer.model or *.tiktoken."""
     path = Path(spec)
     if path.is_dir():
-        path = path / "tokenizer.json"
+        found = [path / "tokenizer.json", path / "tokenizer.model", *sorted(path.glob("*.tiktoken"))]
+        path = next((p for p in found if p.is_file()), path / "tokenizer.json")
     if not path.is_file():
-        raise ConfigError(f"--tokenizer {spec}: no tokenizer file there; give a tokenizer.json or a directory "
-                          "holding one (or `bytes`)")
+        raise ConfigError(f"--tokenizer {spec}: no tokenizer file there; give a tokenizer.json, a sentencepiece "
+                          "tokenizer.model, a tiktoken file or a directory holding one (or `bytes`)")
     return path
 
 
+@functools.lru_cache(maxsize=4)  # a prepare worker converts a vocabulary once, not once per part
 def load(spec: str, eos: str | None = None) -> ByteTokenizer | HfTokenizer:
-    """`bytes`, a tokenizer.json path, or a directory holding one."""
+    """`bytes`, a tokenizer.json / sentencepiece / tiktoken path, or a directory holding one."""
     if spec == "bytes":
         return ByteTokenizer()
     return HfTokenizer(tokenizer_file(spec), eos)

@@ -12,10 +12,10 @@ different documents: the input is a document's EOS and the target the next docum
 token. EOS itself is predicted (from the document's last token). It also masks position t when
 loss_mask[t + 1] is 0 (a prompt token of a conversation).
 
-Reads use os.pread on the shard and its document index (a binary search over the index reads
-~log2(documents) 8-byte values), never a memory map: what a host holds is its batch, not
-the pages of a corpus it has walked through, so memory stays flat however large the corpus.
-Only local paths (or a gcsfuse mount) are read; gs:// URLs are refused with that advice.
+Reads go through storage.py, by byte range from local disk (os.pread) or a gs:// URL
+(tensorstore): a window is one range of its shard plus a binary search over the shard's document
+index (cached blocks), never a memory map: what a host holds is its batch, not the pages of a
+corpus it has walked through, so memory stays flat however large the corpus.
 """
 
 from __future__ import annotations
@@ -23,65 +23,29 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from shardtrain import storage
 from shardtrain.config import ConfigError, RunConfig
 
 
-class RangeFile:
-    """A flat array in a file (from byte `offset`), read element ranges at a time with pread."""
-
-    def __init__(self, path: Path, dtype, offset: int, length: int):
-        self.path, self.dtype, self.offset, self.length = path, np.dtype(dtype), offset, length
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            start, stop, _ = index.indices(self.length)
-            size = self.dtype.itemsize
-            data = os.pread(self.fd, (stop - start) * size, self.offset + start * size)
-            return np.frombuffer(data, dtype=self.dtype)
-        return int(self[index:index + 1][0])
-
-    def __del__(self):
-        if getattr(self, "fd", None) is not None:
-            os.close(self.fd)
-
-    def __getstate__(self):  # reopened by whoever unpickles it
-        return {k: v for k, v in self.__dict__.items() if k != "fd"}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self.fd = os.open(self.path, os.O_RDONLY)
-
-
-def npy_range(path: Path) -> RangeFile:
-    """The array of a .npy file, read by range."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, _, dtype = read_header(f)
-        return RangeFile(path, dtype, f.tell(), shape[0])
-
-
 def read_manifest(directory: str) -> dict:
-    if directory.startswith("gs://"):
-        raise ConfigError(f"data.path={directory}: token shards are read from local disk only; copy the "
-                          "directory down (gcloud storage cp -r) or mount the bucket with gcsfuse and give that path")
-    path = Path(directory) / "manifest.json"
+    store = storage.open_store(directory)
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
+        text = store.read_all("manifest.json")
+    except Exception as e:  # tensorstore raises ValueError for a bad URL or bucket, with a long text
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ConfigError(f"data.path={directory}: cannot read manifest.json ({first})") from None
+    if text is None:
         raise ConfigError(f"data.path={directory}: no manifest.json there; write one with "
-                          f"`shardtrain prepare INPUT... --tokenizer TOK --out {directory}`") from None
+                          f"`shardtrain prepare INPUT... --tokenizer TOK --out {directory}`")
+    try:
+        return json.loads(text)
     except ValueError:
-        raise ConfigError(f"{path}: not valid JSON; rerun `shardtrain prepare` into {directory}") from None
+        raise ConfigError(f"{store.name('manifest.json')}: not valid JSON; rerun `shardtrain prepare` "
+                          f"into {directory}") from None
 
 
 def check_vocab(cfg: RunConfig, manifest: dict, directory: str) -> None:
@@ -93,38 +57,38 @@ def check_vocab(cfg: RunConfig, manifest: dict, directory: str) -> None:
 
 
 class Shard:
-    def __init__(self, directory: Path, entry: dict, dtype: np.dtype, verify: str):
-        path = directory / entry["file"]
-        self.name = str(path)
-        redo = f"rerun `shardtrain prepare` into {directory} after deleting {directory}/parts/{path.stem}.json"
-        if not path.is_file():
-            raise ConfigError(f"{path}: shard listed in manifest.json is missing; {redo}")
+    def __init__(self, store: storage.Store, entry: dict, dtype: np.dtype, verify: str):
+        key, stem = entry["file"], entry["file"].rsplit("/", 1)[-1].removesuffix(".bin")
+        self.name = store.name(key)
+        redo = f"rerun `shardtrain prepare` into {store} after deleting {store}/parts/{stem}.json"
         want = entry["tokens"] * dtype.itemsize
-        if path.stat().st_size != want:
-            raise ConfigError(f"{path}: {path.stat().st_size} bytes, manifest.json says {want}; the shard is "
+        problem = store.check_size(key, want)
+        if problem == "missing":
+            raise ConfigError(f"{self.name}: shard listed in manifest.json is missing; {redo}")
+        if problem:
+            raise ConfigError(f"{self.name}: {problem}, manifest.json says {want}; the shard is "
                               f"truncated or corrupt: {redo}")
         if verify == "checksum":
             sha = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 24):
-                    sha.update(chunk)
+            for start in range(0, want, 1 << 24):
+                sha.update(store.read(key, start, min(want, start + (1 << 24))))
             if sha.hexdigest() != entry["sha256"]:
-                raise ConfigError(f"{path}: sha256 does not match manifest.json; the shard is corrupt: {redo}")
-        index = directory / entry["index"]
-        if not index.is_file():
-            raise ConfigError(f"{index}: document index listed in manifest.json is missing; {redo}")
-        self.tokens = RangeFile(path, dtype, 0, entry["tokens"])
+                raise ConfigError(f"{self.name}: sha256 does not match manifest.json; the shard is corrupt: {redo}")
+        self.tokens = storage.RangeArray(store, key, dtype, 0, entry["tokens"])
         self.mask = None
         if "mask" in entry:  # prepare --chat: uint8 per token
-            mask = directory / entry["mask"]
-            if not mask.is_file() or mask.stat().st_size != entry["tokens"]:
-                raise ConfigError(f"{mask}: loss mask listed in manifest.json is missing or not one byte per token; "
-                                  f"{redo}")
-            self.mask = RangeFile(mask, np.uint8, 0, entry["tokens"])
-        self.offsets = npy_range(index)
+            problem = store.check_size(entry["mask"], entry["tokens"])
+            if problem:
+                raise ConfigError(f"{store.name(entry['mask'])}: loss mask listed in manifest.json is "
+                                  f"{'missing' if problem == 'missing' else 'not one byte per token'}; {redo}")
+            self.mask = storage.RangeArray(store, entry["mask"], np.uint8, 0, entry["tokens"])
+        self.offsets = storage.npy_array(store, entry["index"])
+        if self.offsets is None:
+            raise ConfigError(f"{store.name(entry['index'])}: document index listed in manifest.json is missing; "
+                              f"{redo}")
         if len(self.offsets) != entry["documents"] + 1 or self.offsets[len(self.offsets) - 1] != entry["tokens"]:
-            raise ConfigError(f"{index}: does not match manifest.json ({entry['documents']} documents, "
-                              f"{entry['tokens']} tokens); {redo}")
+            raise ConfigError(f"{store.name(entry['index'])}: does not match manifest.json ({entry['documents']} "
+                              f"documents, {entry['tokens']} tokens); {redo}")
 
 
 class TokenSplit:
@@ -138,7 +102,10 @@ class TokenSplit:
                     else "prepare it again")
             raise ConfigError(f"data.path={directory}: the '{split}' split is empty; {hint}")
         dtype = np.dtype(manifest["dtype"])
-        self.shards = [Shard(Path(directory), e, dtype, verify) for e in manifest["splits"][split]["shards"]]
+        store, entries = storage.open_store(directory), manifest["splits"][split]["shards"]
+        # each shard's checks are a few requests from a URL: many shards open concurrently
+        with ThreadPoolExecutor(storage.OPEN_THREADS if storage.is_url(directory) else 1) as pool:
+            self.shards = list(pool.map(lambda e: Shard(store, e, dtype, verify), entries))
         self.starts = np.cumsum([0] + [len(s.tokens) for s in self.shards]).tolist()
         self.doc_base = np.cumsum([0] + [len(s.offsets) - 1 for s in self.shards]).tolist()
 

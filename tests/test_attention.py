@@ -11,7 +11,7 @@ import pytest
 
 from models import attention
 from shardtrain import mesh as mesh_lib, sharding
-from shardtrain.config import MeshConfig, RulesConfig
+from shardtrain.config import MESH_AXES, MeshConfig, RulesConfig
 
 B, T, H, K, E = 4, 256, 4, 2, 32
 
@@ -130,8 +130,8 @@ def test_splash_compiles_for_tpu_topology():
     from jax.experimental import topologies
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may compile for TPU too
     topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
-    mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(1, 1, 2, 2), ("data", "pipeline", "fsdp", "tensor"),
-                             axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(1, 1, 2, 1, 1, 2), MESH_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
     c = sharding.Constrain(RulesConfig(), mesh)
     assert attention.resolve("auto", c.platform) == "splash"
     t = 1024

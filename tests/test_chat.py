@@ -210,10 +210,11 @@ def test_chat_needs_a_template_and_jsonl(capsys, tmp_path, chat_data):
     root, dirs = chat_data
     bare = tmp_path / "bare"
     bare.mkdir()
+    (root / "notes.txt").write_text("plain text is no conversation")
     (bare / "tokenizer.json").write_text((dirs["plain"][0] / "tokenizer.json").read_text())
     for tok_arg, data, message in [
             (bare, root / "chat.jsonl", f"--chat: {bare} has no chat template"),
-            (dirs["plain"][0], dirs["plain"][0] / "tokenizer.json", "--chat reads JSONL files"),
+            (dirs["plain"][0], root / "notes.txt", "--chat reads JSONL files"),
             ("bytes", root / "chat.jsonl", "--chat needs a Hugging Face tokenizer directory")]:
         code, err = run_cli(capsys, "prepare", str(data), "--tokenizer", str(tok_arg), "--out",
                             str(tmp_path / "out"), "--chat")

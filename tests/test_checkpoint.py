@@ -231,7 +231,8 @@ def test_list_shows_uncommitted_steps_and_the_custom_directory(tmp_path, capsys)
     (ckpts / "4" / "meta").mkdir(parents=True)
     (ckpts / "4" / "commit_success.txt").write_text("ok")
     (ckpts / "4" / "meta" / "metadata").write_text(json.dumps(
-        {"mesh": {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1}, "devices": 8, "processes": 2}))
+        {"mesh": {"data": 1, "pipeline": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}, "devices": 8,
+         "processes": 2}))
     (ckpts / "6.orbax-checkpoint-tmp").mkdir()
     (ckpts / "6.orbax-checkpoint-tmp" / "x").write_bytes(b"0" * 500_000)
     assert checkpoint.list_main(str(run)) == 0
@@ -253,7 +254,7 @@ def test_restored_state_is_bitwise_the_saved_one_on_another_mesh(cfg_factory):
     state = save_steps(prog, [3])
     other = program(cfg_factory, "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1")
     restored, meta = checkpoint.Checkpointer(other).restore_latest(say=lambda _: None)
-    assert meta["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}
+    assert meta["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     for a, b, s in zip(jax.tree.leaves(state), jax.tree.leaves(restored), jax.tree.leaves(other.state_shardings)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert b.sharding == s

@@ -4,6 +4,7 @@ SIGTERM to one process preempts all, and a killed process stops the others."""
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -189,6 +190,49 @@ def test_errors_are_logged_with_the_process_index(tmp_path):
         assert f"shardtrain[process {i}/2]: error: mesh (data=4" in r.stderr
         assert re.search(rf"local.sh: process {i} \(pid \d+\) exited with 2", r.stderr)
     assert "needs 16 devices but 8 are present" in r.stderr
+
+
+def test_killed_two_process_run_on_tokens_resumes_mid_epoch_in_one(tmp_path, capsys):
+    """A 2-process run streaming prepared tokens is SIGKILLed (both processes) mid-epoch; one
+    process resumes from its last checkpoint, and every step after it has the loss the killed run
+    logged for that step: the same batches (sample index -> window), on another process count."""
+    from shardtrain import cli, prepare
+    rng = random.Random(0)
+    words = ["".join(rng.choices("abcdefgh", k=rng.randint(1, 7))) for _ in range(200)]
+    (tmp_path / "docs.jsonl").write_text("".join(
+        json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(5, 60)))}) + "\n" for _ in range(120)))
+    manifest = prepare.prepare([str(tmp_path / "docs.jsonl")], prepare.Options("bytes", str(tmp_path / "ds")),
+                               say=lambda _: None)
+    tokens = ["data.source=tokens", f"data.path={tmp_path / 'ds'}", "model.vocab_size=264",
+              "checkpoint.every_steps=5"]
+    steps_per_epoch = manifest["splits"]["train"]["tokens"] // 17 // 8  # windows of seq_len 16 + 1, batch 8
+    run_dir, log = tmp_path / "run", tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(command(2, run_dir, *PLAIN, *tokens, "train.steps=100000"), cwd=REPO,
+                                    env=env(), text=True, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+
+    def past_a_checkpoint():  # a step logged after the first (asynchronous) checkpoint is complete
+        done = (run_dir / "checkpoints").is_dir() and checkpoint_steps(run_dir)
+        try:
+            return done and max(losses(run_dir)) > done[-1]
+        except ValueError:  # a line being written
+            return False
+    while not past_a_checkpoint():
+        assert launcher.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    for pid in re.findall(r"local.sh: process \d of 2: pid (\d+)", log.read_text()):
+        os.kill(int(pid), signal.SIGKILL)
+    launcher.wait(timeout=60)
+    killed = losses(run_dir)
+    saved = checkpoint_steps(run_dir)[-1]
+    assert saved < max(killed) < steps_per_epoch, (saved, sorted(killed), steps_per_epoch)  # mid-epoch
+
+    with pytest.raises(SystemExit) as e:  # in this process (8 devices): no second start-up
+        cli.main(["train", str(REPO / "meshes/demo.yaml"), f"run_dir={run_dir}", *TINY, *PLAIN, *tokens,
+                  f"train.steps={max(killed)}"])
+    assert e.value.code == 0 and f"resuming from checkpoint step {saved}" in capsys.readouterr().out
+    assert_close(losses(run_dir), killed, range(saved + 1, max(killed) + 1))
 
 
 def test_export_hf_from_two_processes_writes_the_same_tensors(tmp_path):

@@ -26,7 +26,8 @@ def loss_and_grads(prog, params, tokens_bt, runners):
     params = jax.device_put(params, prog.state_shardings["params"])
     tokens_bt = jax.device_put(tokens_bt, prog.batch_sharding)
     with jax.set_mesh(prog.mesh):
-        return jax.jit(lambda p, t: [jax.value_and_grad(loss)(p, t) for loss in losses])(params, tokens_bt)
+        objectives = [lambda p, t, loss=loss: loss(p, t)[0] for loss in losses]  # (objective, losses) -> objective
+        return jax.jit(lambda p, t: [jax.value_and_grad(f)(p, t) for f in objectives])(params, tokens_bt)
 
 
 def make_reference(model):

@@ -102,7 +102,8 @@ def test_plan_json_equals_the_compiled_train_step(cfg_factory, capsys):
     assert r["flops_per_device"] == cost["flops"] + loop_flops and r["flops_per_step"] == 8 * r["flops_per_device"]
     assert r["bytes_accessed_per_device"] == cost["bytes accessed"] + loop_bytes
     assert r["collectives"] == hlo.summarize(hlo.collectives(compiled.as_text(), dict(r["mesh"])))
-    assert r["devices"] == 8 and r["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}
+    assert r["devices"] == 8
+    assert r["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     e = r["estimate"]
     parts = {"compute": e["compute_s"], "memory": e["memory_s"], "communication": e["comm_s"]}
     assert e["bottleneck"] == max(parts, key=parts.get) and e["chip"] == "h100"
@@ -176,6 +177,17 @@ def test_factorisations_are_complete_and_unique():
     keys = [tuple(m[a] for a in config.MESH_AXES) for m in meshes]
     assert len(keys) == len(set(keys)) == 20  # ordered factorisations of 2^3 into 4 factors: C(6, 3)
     assert all(math.prod(k) == 8 for k in keys)
+    with_experts = search.factorisations(8, search.BASE_AXES + ("expert",))
+    assert len(with_experts) == 35 and sum(m["expert"] > 1 for m in with_experts) == 15  # C(7, 4); 35 - 20
+
+
+def test_search_offers_expert_and_context_axes_only_where_the_model_allows():
+    dense = config.load(None, ["data.seq_len=128"])
+    assert search.search_axes(dense) == search.BASE_AXES
+    moe = config.load(None, ["model.n_experts=4", "data.seq_len=4096"])
+    assert search.search_axes(moe) == (*search.BASE_AXES, "expert", "context")
+    sizes = [m for m in search.factorisations(8, search.search_axes(moe)) if search.allowed(moe, m)]
+    assert {m["expert"] for m in sizes} == {1, 2, 4} and {m["context"] for m in sizes} == {1, 2, 4}
 
 
 def test_unknown_chip_and_unusable_device_count_are_config_errors():
@@ -207,7 +219,7 @@ def test_search_ranks_every_factorisation_once_and_its_top_row_trains(tmp_path):
     assert len(plain) == 10  # every pipeline=1 factorisation is valid for this MLP
     assert [r["status"] for r in plain if r["mesh"]["data"] == 8] == ["no fit (state)"]
     assert {tuple(r["mesh"].values()) for r in result["rejected"]} == {  # 2 layers: pipeline <= 2
-        (d, p, f, t) for d, p, f, t in map(lambda m: tuple(m.values()), search.factorisations(8)) if p > 2}
+        tuple(m.values()) for m in search.factorisations(8) if m["pipeline"] > 2}
     fits = [r["report"]["fits"] for r in result["rows"] if r["report"]]
     assert fits == sorted(fits, reverse=True) and True in fits and False in fits
     for r in result["rows"]:
@@ -260,6 +272,21 @@ def test_search_entry_point_prints_the_ranking_and_writes_the_top_row(tmp_path, 
     assert meshes == {tuple(m[a] for a in config.MESH_AXES) for m in search.factorisations(2)}
     best = config.load(str(out))
     assert {a: getattr(best.mesh, a) for a in config.MESH_AXES} == result["rows"][0]["mesh"]
+
+
+@pytest.mark.slow
+def test_search_across_slices_tries_each_split_of_the_slices(tmp_path, capsys):
+    # two granules (mesh.dcn) of one device each: the slices split over data, pipeline or fsdp
+    cfg = config.load(None, [*SMALL, "model.name=mlp", "mesh.dcn.data=2", f"run_dir={tmp_path / 'run'}"])
+    out = tmp_path / "best.yaml"
+    assert search.main(cfg, *plan.target(cfg, 2, chip="cpu"), as_json=True, write=str(out)) == 0
+    result = json.loads(capsys.readouterr().out)
+    tried = [r["dcn"] for r in result["rows"]] + [r["dcn"] for r in result["rejected"]]
+    assert {tuple(d[a] for a in ("data", "pipeline", "fsdp")) for d in tried} == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
+    assert all(r["mesh"] == dict.fromkeys(config.MESH_AXES, 1) for r in result["rows"])  # one device per slice
+    best = config.load(str(out))
+    assert {a: getattr(best.mesh.dcn, a) for a in config.MESH_AXES} == result["rows"][0]["dcn"]
+    assert "dcn" in search.format_table(result)
 
 
 def test_cli_bad_input_exits_2_with_the_fix(tmp_path):

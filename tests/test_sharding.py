@@ -17,7 +17,8 @@ CONFIGS = sorted(glob.glob("meshes/*.yaml"))
 
 
 def abstract_mesh(sizes: dict) -> AbstractMesh:
-    return AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    return AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def layout_text(cfg: config.RunConfig) -> str:
@@ -94,5 +95,5 @@ def test_mesh_product_must_match_devices():
 
 def test_minus_one_takes_the_rest():
     mesh = mesh_lib.make_mesh(config.MeshConfig(data=-1, tensor=2))
-    assert dict(mesh.shape) == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 4, "pipeline": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2}
     assert mesh_lib.make_mesh(config.MeshConfig(), devices=jax.devices()[:1]).size == 1

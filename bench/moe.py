@@ -1,0 +1,90 @@
+"""MoE grouped matmul: `jax.lax.ragged_dot` against a masked dense matmul per expert, on the CPU
+(step time) and on the TPU compiler (a topology compile: memory, FLOPs, the compiler's own
+`optimal_seconds`), for the real train step (`step.build`) of an expert-parallel mesh.
+
+    python bench/moe.py [--topology v5e:2x4] [--steps 4] [KEY=VALUE ...]
+
+`masked` runs every row through every local expert and keeps its own group's result
+(n_experts / expert times the FLOPs); `ragged` is what models/moe.py uses. Results: bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from models import moe as moe_lib  # noqa: E402
+from shardtrain import config, hlo, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
+
+BASE = ["model.n_experts=8", "model.experts_per_token=2", "data.source=synthetic", "mesh.data=2", "mesh.fsdp=1",
+        "mesh.tensor=1", "mesh.expert=4"]
+
+
+def masked(x_rd, w_edf, group_e):
+    ends = jnp.cumsum(group_e)
+    rows = jnp.arange(x_rd.shape[0])[:, None]
+    out = jnp.zeros((x_rd.shape[0], w_edf.shape[2]), jnp.float32)
+    for e in range(w_edf.shape[0]):
+        mine = (rows >= ends[e] - group_e[e]) & (rows < ends[e])
+        out = out + jnp.where(mine, x_rd @ w_edf[e], 0)
+    return out.astype(x_rd.dtype)
+
+
+IMPLS = {"ragged": moe_lib.grouped, "masked": masked}
+
+
+def cpu_step_time(cfg, steps: int) -> float:
+    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    compiled = prog.lower().compile()
+    state = prog.init(cfg.train.seed)
+    times = []
+    for batch in loop.bare_loop_batches(prog, steps + 1):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def tpu_compile(cfg, topology: str) -> dict:
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, topo.devices))
+    t0 = time.perf_counter()
+    compiled = prog.lower().compile()
+    seconds = time.perf_counter() - t0
+    mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    colls = hlo.summarize(hlo.collectives(compiled.as_text(), dict(prog.mesh.shape)))
+    return {"compile_s": round(seconds, 1), "flops": cost.get("flops"), "optimal_s": cost.get("optimal_seconds"),
+            "args_mib": mem.argument_size_in_bytes / 2**20, "temp_mib": mem.temp_size_in_bytes / 2**20,
+            "all_to_all": {k: v["count"] for k, v in colls.items() if "all-to-all" in k}}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--topology", default="v5e:2x4")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--skip-cpu", action="store_true")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    cfg = config.load("meshes/demo.yaml", [*BASE, *args.overrides, "run_dir=/tmp/bench-moe"])
+    for name, fn in IMPLS.items():
+        moe_lib.grouped = fn
+        row = {"impl": name, **tpu_compile(cfg, args.topology)}
+        if not args.skip_cpu:
+            row["cpu_step_s"] = round(cpu_step_time(cfg, args.steps), 3)
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Context parallelism: ring attention against plain masked attention, a 4k-token model's loss and
+gradients on a context-parallel mesh against one device's, and the compiled program's collectives."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import attention
+from models.attention import load_balanced_order
+from shardtrain import config, hlo, mesh as mesh_lib, plan, sharding, step as step_lib
+
+
+def reference(q, k, v, pos_bt, seg_bt):
+    mask = (pos_bt[:, :, None] >= pos_bt[:, None, :]) & (seg_bt[:, :, None] == seg_bt[:, None, :])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+
+
+def test_load_balanced_order_gives_device_i_chunks_i_and_its_mirror():
+    order = load_balanced_order(16, 2)  # 4 chunks of 4: device 0 holds 0 and 3, device 1 holds 1 and 2
+    assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_documents(chunk):
+    b, t, h, kh, e = 2, 64, 4, 2, 8
+    q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, e)) for i, n in enumerate((h, kh, kh)))
+    order = jnp.asarray(load_balanced_order(t, 4))
+    pos_bt = jnp.broadcast_to(order, (b, t))
+    seg_bt = (pos_bt >= jnp.array([[20], [41]])).astype(jnp.int32)  # two documents per row
+    cfg = config.load(None, ["mesh.data=2", "mesh.context=4"])
+    c = sharding.Constrain(cfg.rules, mesh_lib.make_mesh(cfg.mesh))
+
+    def loss(fn, q, k, v):
+        o = fn(q, k, v)
+        return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape))), o
+    def run_ring(q, k, v):
+        return attention.ring(q, k, v, pos_bt, seg_bt, constrain=c, chunk=chunk)
+    ring = jax.jit(jax.value_and_grad(lambda *a: loss(run_ring, *a),
+                                      argnums=(0, 1, 2), has_aux=True))
+    ref = jax.jit(jax.value_and_grad(lambda *a: loss(lambda q, k, v: reference(q, k, v, pos_bt, seg_bt), *a),
+                                     argnums=(0, 1, 2), has_aux=True))
+    (_, o_ring), g_ring = ring(q, k, v)
+    (_, o_ref), g_ref = ref(q, k, v)
+    np.testing.assert_allclose(np.asarray(o_ring), np.asarray(o_ref), atol=1e-5)
+    for a, b_ in zip(g_ring, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=1e-5)
+
+
+LONG = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64", "model.n_layers=1",
+        "data.seq_len=4096", "train.global_batch_size=2", "data.source=synthetic"]
+
+
+def program(*overrides, devices=None):
+    cfg = config.load(None, [*LONG, *overrides])
+    return step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+
+
+@pytest.mark.slow
+def test_context_parallel_4k_tokens_losses_and_gradients_equal_one_devices():
+    from test_moe import assert_same_losses_and_grads
+    batch = np.random.default_rng(0).integers(0, 256, (2, 4097)).astype(np.int32)
+    assert_same_losses_and_grads(program(devices=jax.devices()[:1]),
+                                 program("mesh.data=2", "mesh.context=2", "mesh.tensor=2"), batch)
+
+
+def test_context_parallel_step_passes_key_value_blocks_around_a_ring_and_never_gathers_them():
+    prog = program("data.seq_len=256", "train.global_batch_size=8", "mesh.data=2", "mesh.fsdp=2", "mesh.context=2")
+    colls = hlo.collectives(plan.compile_fast(prog.lower(), "cpu").as_text(), dict(prog.mesh.shape))
+    assert any(c.kind.startswith("collective-permute") and c.axes == ("context",) for c in colls), colls
+    assert not [c for c in colls if c.kind.startswith("all-gather") and "context" in c.axes]
+
+
+@pytest.mark.slow
+def test_context_parallel_packed_documents_losses_and_gradients_equal_one_devices():
+    from test_moe import assert_same_losses_and_grads
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 256, (4, 65)).astype(np.int32)
+    starts = np.array([[0, 20, 50], [0, 33, 64], [0, 5, 41], [0, 64, 64]])  # each row: 2-3 documents
+    segment_ids = (np.arange(65)[None, :, None] >= starts[:, None, 1:]).sum(-1).astype(np.int32)
+    positions = (np.arange(65)[None] - np.take_along_axis(starts, segment_ids, 1)).astype(np.int32)
+    batch = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+    short = ["data.seq_len=64", "train.global_batch_size=4"]
+    assert_same_losses_and_grads(program(*short, devices=jax.devices()[:1]),
+                                 program(*short, "mesh.data=2", "mesh.context=2", "mesh.tensor=2"), batch)

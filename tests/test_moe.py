@@ -1,0 +1,102 @@
+"""Mixture of experts: routing against a naive dense mixture, expert parallelism against one device,
+and the compiled program's collectives."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import moe as moe_lib, no_constraint
+from shardtrain import config, hlo, mesh as mesh_lib, plan, step as step_lib
+
+SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64", "model.n_layers=2",
+         "model.n_experts=4", "model.experts_per_token=2", "data.seq_len=32", "train.global_batch_size=8",
+         "data.source=synthetic"]
+
+
+def layer_and_input(*overrides, t=16):
+    cfg = config.load(None, [*SMALL, *overrides]).model
+    layer = moe_lib.Moe(cfg, rngs=nnx.Rngs(params=0), constrain=no_constraint)
+    h_btd = jax.random.normal(jax.random.key(1), (2, t, cfg.d_model))
+    return cfg, layer, h_btd
+
+
+def naive_mixture(layer, cfg, h_btd, capacity=None):
+    """Each token through each of its top-k experts one by one, weighted by its renormalised
+    softmax probabilities; with `capacity`, an expert takes only its first `capacity` assignments
+    in (token, k) order."""
+    h_nd = np.asarray(h_btd, np.float64).reshape(-1, cfg.d_model)
+    probs = np.exp(h_nd @ np.asarray(layer.router_de[...], np.float64))
+    probs /= probs.sum(-1, keepdims=True)
+    wg, wu, wd = (np.asarray(w[...], np.float64) for w in (layer.w_gate_edf, layer.w_up_edf, layer.w_down_efd))
+    out = np.zeros_like(h_nd)
+    taken = np.zeros(cfg.n_experts, int)
+    for n, x in enumerate(h_nd):
+        top = np.argsort(-probs[n], kind="stable")[:cfg.experts_per_token]
+        for e in top:
+            taken[e] += 1
+            if capacity is not None and taken[e] > capacity:
+                continue
+            g, u = x @ wg[e], x @ wu[e]
+            out[n] += probs[n, e] / probs[n, top].sum() * ((g / (1 + np.exp(-g)) * u) @ wd[e])
+    if cfg.n_shared_experts:
+        g, u = h_nd @ np.asarray(layer.shared_gate_df[...]), h_nd @ np.asarray(layer.shared_up_df[...])
+        out += (g / (1 + np.exp(-g)) * u) @ np.asarray(layer.shared_down_fd[...])
+    return out.reshape(h_btd.shape)
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.n_shared_experts=1", "model.experts_per_token=1")])
+def test_dropless_routing_is_the_dense_mixture_of_each_tokens_top_k_experts(overrides):
+    cfg, layer, h_btd = layer_and_input(*overrides)
+    out_btd, aux = jax.jit(layer)(h_btd)
+    np.testing.assert_allclose(np.asarray(out_btd), naive_mixture(layer, cfg, h_btd), atol=1e-5)
+    assert set(aux) == {"moe_aux_loss", "router_z_loss"}
+
+
+def test_capacity_drops_assignments_past_each_experts_capacity_in_token_order():
+    cfg, layer, h_btd = layer_and_input("model.capacity_factor=0.25", t=16)
+    cap = moe_lib.capacity(cfg, 2 * 16 * cfg.experts_per_token)
+    assert cap == 4  # 0.25 x 64 assignments / 4 experts
+    np.testing.assert_allclose(np.asarray(jax.jit(layer)(h_btd)[0]), naive_mixture(layer, cfg, h_btd, cap), atol=1e-5)
+
+
+def program(*overrides, devices=None):
+    cfg = config.load(None, [*SMALL, *overrides])
+    return step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+
+
+def assert_same_losses_and_grads(reference, other, batch):
+    params = reference.init(0)["params"]
+    losses_a, grads_a = reference.loss_and_grads(params, jax.device_put(batch, reference.batch_sharding))
+    params_b = jax.device_put(params, other.state_shardings["params"])
+    losses_b, grads_b = other.loss_and_grads(params_b, jax.device_put(batch, other.batch_sharding))
+    assert set(losses_a) == set(losses_b)
+    for k in losses_a:
+        np.testing.assert_allclose(float(losses_b[k]), float(losses_a[k]), rtol=1e-5, err_msg=k)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * max(1.0, float(np.abs(a).max())))
+    return losses_a
+
+
+@pytest.mark.slow
+def test_expert_parallel_losses_and_gradients_equal_one_devices():
+    batch = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
+    one = program(devices=jax.devices()[:1])
+    losses = assert_same_losses_and_grads(one, program("mesh.data=2", "mesh.expert=4"), batch)
+    assert float(losses["moe_aux_loss"]) > 0 and float(losses["router_z_loss"]) > 0
+    assert_same_losses_and_grads(one, program("mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"), batch)
+
+
+def test_expert_parallel_step_moves_tokens_by_all_to_all_and_never_gathers_expert_weights():
+    prog = program("mesh.data=2", "mesh.expert=4")
+    colls = hlo.collectives(plan.compile_fast(prog.lower(), "cpu").as_text(), dict(prog.mesh.shape))
+    assert any(c.kind.startswith("all-to-all") and c.axes == ("expert",) for c in colls), colls
+    assert not [c for c in colls if c.kind.startswith("all-gather") and "expert" in c.axes]
+
+
+def test_meshless_constrain_runs_the_layer_as_the_model_alone_does():
+    from shardtrain import sharding
+    cfg, layer, h_btd = layer_and_input()
+    alone = jax.jit(layer)(h_btd)[0]
+    layer.constrain = sharding.Constrain()
+    np.testing.assert_array_equal(np.asarray(jax.jit(layer)(h_btd)[0]), np.asarray(alone))
