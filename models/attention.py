@@ -1,22 +1,26 @@
 """Causal grouped-query attention by implementation: one function the decoder calls.
 
     o_bthe = attend(q_bthe, k_btke, v_btke, segment_ids_bt=None, positions_bt=None, impl="auto",
-                    constrain=None)
+                    constrain=None, window=None)
 
 Shapes: B batch, T sequence, H query heads, K key/value heads (K divides H, G = H / K queries per
 key head), E head dim. q is not pre-scaled: every implementation scales scores by E**-0.5.
 `segment_ids_bt` (int, one id per packed document) restricts attention to tokens of the same
-document; None means one document per row.
+document; None means one document per row. `window` W (sliding-window attention, Mistral's
+`sliding_window`) lets query t see keys t - W + 1 .. t only; None: every earlier key.
 
 - `xla`: `jax.nn.dot_product_attention`, which materialises the B x H x T x T scores. The reference;
-  fastest on CPU at short T.
+  fastest on CPU at short T. A window is its `local_window_size` (W - 1, 0).
 - `chunked`: flash-style in plain XLA: a scan over query chunks, inside it a scan over key chunks
   with an online softmax; never holds more than one chunk x chunk block of scores per head;
-  recomputed in the backward pass. Any platform, long T without a kernel.
-- `splash`: Pallas splash attention (TPU kernel, block-sparse causal mask, segment ids), one kernel
+  recomputed in the backward pass. Any platform, long T without a kernel. With a window, each
+  query chunk reads only the ceil((W - 1) / chunk) + 1 key chunks that can reach it.
+- `splash`: Pallas splash attention (TPU kernel, block-sparse causal mask (a `LocalMask` with a
+  window: blocks outside it are skipped), segment ids), one kernel
   per key head with its G query heads (MQA form, no repeat of k/v), in a `shard_map` over the batch
   and kv-head axes. TPU (tests run it with `interpret=True` on CPU).
-- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (flash attention). NVIDIA GPU.
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (flash attention; a window is
+  cuDNN's sliding_window_length W). NVIDIA GPU.
 - `auto`: splash on TPU, cudnn on GPU, xla on CPU.
 - ring (context parallelism): when the trainer splits the sequence over devices
   (`constrain.size("seq") > 1`), every implementation runs as ring attention (below); `xla`
@@ -54,7 +58,7 @@ def resolve(impl: str, platform: str | None = None) -> str:
 
 
 def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, impl: str = "auto",
-           constrain=None):
+           constrain=None, window: int | None = None):
     """Causal attention of q over k, v (see the module docstring); returns o_bthe in q's dtype.
     `positions_bt` matter only to ring attention, whose masks come from them (the trainer feeds a
     context-parallel sequence out of order); None: 0..T-1.
@@ -66,16 +70,17 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
     impl = resolve(impl, platform)
     if constrain is not None and constrain.size("seq") > 1:
         return ring(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, constrain=constrain,
-                    chunk=None if impl == "xla" else CHUNK)
+                    chunk=None if impl == "xla" else CHUNK, window=window)
     if impl == "xla" or impl == "cudnn":
         mask = None
         if segment_ids_bt is not None:
             mask = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]  # (B, 1, T, T)
-        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True,
-                                            implementation=impl)
+        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True, implementation=impl,
+                                            local_window_size=None if window is None else (window - 1, 0))
     if impl == "chunked":
-        return chunked(q_bthe, k_btke, v_btke, segment_ids_bt)
-    return splash(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, interpret=platform != "tpu")
+        return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, window=window)
+    return splash(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, interpret=platform != "tpu",
+                  window=window)
 
 
 # ----------------------------------------------------------------------------- chunked XLA
@@ -90,12 +95,14 @@ def empty_carry(b, t, k_heads, g, e):
             jnp.zeros((b, t, k_heads, g, e), jnp.float32))
 
 
-def fold(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry):
-    """Folds one key/value block into the carry; a query sees keys at positions <= its own, in its
-    document. q is pre-scaled."""
+def fold(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, window=None):
+    """Folds one key/value block into the carry; a query sees keys at positions <= its own (and
+    within `window` of it), in its document. q is pre-scaled."""
     m_bkgq, l_bkgq, acc_bqkge = carry
     s_bkgqs = jnp.einsum("bqkge,bske->bkgqs", q_bqkge, k_bske, preferred_element_type=jnp.float32)
     allowed_bqs = (pos_q_bq[:, :, None] >= pos_k_bs[:, None, :]) & (seg_q_bq[:, :, None] == seg_k_bs[:, None, :])
+    if window is not None:
+        allowed_bqs &= pos_q_bq[:, :, None] - pos_k_bs[:, None, :] < window
     s_bkgqs = jnp.where(allowed_bqs[:, None, None], s_bkgqs, -jnp.inf)
     m_new = jnp.maximum(m_bkgq, s_bkgqs.max(-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing allowed yet
@@ -107,7 +114,7 @@ def fold(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry)
     return m_new, l_new, acc_bqkge * corr_bkgq.transpose(0, 3, 1, 2)[..., None] + pv_bqkge
 
 
-def fold_block(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, chunk=None):
+def fold_block(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, chunk=None, window=None):
     """Folds a block of keys into the carry `chunk` x `chunk` at a time (None: all at once), each
     query chunk rematerialised in the backward pass (its scores are never saved)."""
     b, t, k_heads, g, e = q_bqkge.shape
@@ -124,7 +131,7 @@ def fold_block(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, 
     @jax.checkpoint
     def query_chunk(q_bckge, pos_q_bc, seg_q_bc, carry):
         def key_chunk(carry, kv):
-            return fold(q_bckge, pos_q_bc, seg_q_bc, *kv, carry), None
+            return fold(q_bckge, pos_q_bc, seg_q_bc, *kv, carry, window), None
         return jax.lax.scan(key_chunk, carry, keys)[0]
 
     if cq == t:
@@ -151,22 +158,43 @@ def normalised(carry, dtype):
     return (acc_bqkge / l_bkgq.transpose(0, 3, 1, 2)[..., None]).reshape(b, t, k_heads * g, e).astype(dtype)
 
 
-def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int = CHUNK):
-    """Flash attention in plain XLA: online softmax over key chunks, one query chunk at a time."""
+def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int = CHUNK, window: int | None = None):
+    """Flash attention in plain XLA: online softmax over key chunks, one query chunk at a time.
+    With a window, query chunk i reads only key chunks i - R + 1 .. i (R = the chunks a window
+    reaches; clamped at the first chunk, the extra keys are masked as future ones)."""
     b, t, h, e = q_bthe.shape
-    k_heads = k_btke.shape[2]
+    k_heads, g = k_btke.shape[2], h // k_btke.shape[2]
     seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
     pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    carry = fold_block(grouped_queries(q_bthe, k_heads), pos_bt, seg_bt, k_btke, v_btke, pos_bt, seg_bt,
-                       empty_carry(b, t, k_heads, h // k_heads, e), chunk)
-    return normalised(carry, q_bthe.dtype)
+    q_btkge = grouped_queries(q_bthe, k_heads)
+    c = min(chunk, t)
+    reach = t if window is None else (-(-(window - 1) // c) + 1) * c  # keys one query chunk reads
+    if reach >= t:
+        carry = fold_block(q_btkge, pos_bt, seg_bt, k_btke, v_btke, pos_bt, seg_bt, empty_carry(b, t, k_heads, g, e),
+                           chunk, window)
+        return normalised(carry, q_bthe.dtype)
+    if t % c:
+        raise ValueError(f"chunked attention: sequence length {t} is not a multiple of the chunk {c}")
+
+    def query_chunk(i):
+        def rows(x, start, size):
+            return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+        first_key = jnp.maximum((i + 1) * c - reach, 0)
+        keys = (rows(x, first_key, reach) for x in (k_btke, v_btke, pos_bt, seg_bt))
+        return fold_block(rows(q_btkge, i * c, c), rows(pos_bt, i * c, c), rows(seg_bt, i * c, c), *keys,
+                          empty_carry(b, c, k_heads, g, e), c, window)
+
+    _, l_nbkgc, acc_nbckge = jax.lax.map(query_chunk, jnp.arange(t // c))
+    l_bkgt = jnp.moveaxis(l_nbkgc, 0, 3).reshape(b, k_heads, g, t)
+    acc_btkge = jnp.moveaxis(acc_nbckge, 0, 1).reshape(b, t, k_heads, g, e)
+    return normalised((None, l_bkgt, acc_btkge), q_bthe.dtype)
 
 
 # ----------------------------------------------------------------------------- splash (TPU)
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(g: int, t: int, interpret: bool):
+def _splash_kernel(g: int, t: int, interpret: bool, window: int | None = None):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as sk,
         splash_attention_mask as sm,
@@ -174,15 +202,16 @@ def _splash_kernel(g: int, t: int, interpret: bool):
     blk = min(512, t)
     sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
                           block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
-    mask = sm.MultiHeadMask([sm.CausalMask((t, t))] * g)
+    one = sm.CausalMask((t, t)) if window is None else sm.LocalMask((t, t), (window - 1, 0), offset=0)
+    mask = sm.MultiHeadMask([one] * g)
     return sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _splash_local(shard, q_btkge, k_btke, v_btke, seg_bt, *, interpret: bool):
+def _splash_local(shard, q_btkge, k_btke, v_btke, seg_bt, *, interpret: bool, window: int | None = None):
     """Splash on one shard: vmap over batch and key heads of the MQA kernel (G query heads)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     b, t, k_heads, g, e = q_btkge.shape
-    kernel = _splash_kernel(g, t, interpret)
+    kernel = _splash_kernel(g, t, interpret, window)
     q_bkgte = (q_btkge * jnp.asarray(e ** -0.5, q_btkge.dtype)).transpose(0, 2, 3, 1, 4)
     k_bkte, v_bkte = k_btke.transpose(0, 2, 1, 3), v_btke.transpose(0, 2, 1, 3)
 
@@ -194,7 +223,8 @@ def _splash_local(shard, q_btkge, k_btke, v_btke, seg_bt, *, interpret: bool):
     return o_bkgte.transpose(0, 3, 1, 2, 4)  # (B, T, K, G, E)
 
 
-def splash(q_bthe, k_btke, v_btke, segment_ids_bt=None, *, constrain=None, interpret: bool = False):
+def splash(q_bthe, k_btke, v_btke, segment_ids_bt=None, *, constrain=None, interpret: bool = False,
+           window: int | None = None):
     b, t, h, e = q_bthe.shape
     k_heads = k_btke.shape[2]
     seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
@@ -202,7 +232,7 @@ def splash(q_bthe, k_btke, v_btke, segment_ids_bt=None, *, constrain=None, inter
     # the sequence stays whole inside (a causal kernel needs every earlier key)
     names_q = ("batch", None, "kv_heads", None, None)
     names_kv = ("batch", None, "kv_heads", None)
-    local = (constrain or no_constraint).shard_map(functools.partial(_splash_local, interpret=interpret),
+    local = (constrain or no_constraint).shard_map(functools.partial(_splash_local, interpret=interpret, window=window),
                                                    (names_q, names_kv, names_kv, ("batch", None)), names_q)
     return local(q_btkge, k_btke, v_btke, seg_bt).reshape(b, t, h, e)
 
@@ -231,7 +261,7 @@ def load_balanced_order(t: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def _ring_local(shard, q_bthe, k_btke, v_btke, pos_bt, seg_bt, *, chunk):
+def _ring_local(shard, q_bthe, k_btke, v_btke, pos_bt, seg_bt, *, chunk, window=None):
     """One device's queries against every device's keys/values, passed around the `seq` ring."""
     b, t, h, e = q_bthe.shape
     k_heads = k_btke.shape[2]
@@ -242,16 +272,16 @@ def _ring_local(shard, q_bthe, k_btke, v_btke, pos_bt, seg_bt, *, chunk):
     def step(state, _):
         kv, carry = state
         nxt = shard.ring_shift(kv, "seq")  # issued first: the transfer overlaps this block's compute
-        return (nxt, fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk)), None
+        return (nxt, fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk, window)), None
 
     kv = (k_btke, v_btke, pos_bt, seg_bt)
     if n > 1:
         (kv, carry), _ = jax.lax.scan(step, (kv, carry), None, length=n - 1)
-    carry = fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk)  # the last block: no transfer
+    carry = fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk, window)  # the last block: no transfer
     return normalised(carry, q_bthe.dtype)
 
 
-def ring(q_bthe, k_btke, v_btke, positions_bt=None, segment_ids_bt=None, *, constrain, chunk=None):
+def ring(q_bthe, k_btke, v_btke, positions_bt=None, segment_ids_bt=None, *, constrain, chunk=None, window=None):
     """Causal attention with the sequence split over `seq` (see above); `chunk`: key/query chunk
     of each ring step's block (None: the whole block at once)."""
     bt = q_bthe.shape[:2]
@@ -259,6 +289,6 @@ def ring(q_bthe, k_btke, v_btke, positions_bt=None, segment_ids_bt=None, *, cons
     pos_bt = jnp.arange(bt[1]) if positions_bt is None else positions_bt
     pos_bt = jnp.broadcast_to(pos_bt, bt).astype(jnp.int32)
     names_q, names_kv = ("batch", "seq", "heads", None), ("batch", "seq", "kv_heads", None)
-    local = constrain.shard_map(functools.partial(_ring_local, chunk=chunk),
+    local = constrain.shard_map(functools.partial(_ring_local, chunk=chunk, window=window),
                                 (names_q, names_kv, names_kv, ("batch", "seq"), ("batch", "seq")), names_q)
     return local(q_bthe, k_btke, v_btke, pos_bt, seg_bt)

@@ -1,7 +1,7 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query causal attention, SwiGLU MLP.
 
 One decoder, several families as configs: Llama 2/3 (rope_scaling, tie_embeddings), Mistral
-(the Llama layout), Qwen2/2.5 (qkv_bias) and Qwen3 (qk_norm, its own head_dim); with
+(the Llama layout, sliding_window), Qwen2/2.5 (qkv_bias) and Qwen3 (qk_norm, its own head_dim); with
 `n_experts > 1` every block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen-MoE). The rotary
 layout is Hugging Face's: the head dimension is split into halves [x1, x2], rotated as
 [x1 cos - x2 sin, x2 cos + x1 sin] with frequencies theta^(-2i/E), so HF weights load unpermuted.
@@ -99,7 +99,7 @@ class Block(nnx.Module):
         d, h, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         e = cfg.head_dim or d // h
         self.theta, self.constrain, self.attention = cfg.rope_theta, constrain, cfg.attention
-        self.rope_scaling, self.eps = cfg.rope_scaling, cfg.rms_norm_eps
+        self.rope_scaling, self.eps, self.window = cfg.rope_scaling, cfg.rms_norm_eps, cfg.sliding_window
         self.attn_norm = param(rngs, ones, (d,), (None,))
         self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
         self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wk_dke"])
@@ -174,20 +174,23 @@ class Block(nnx.Module):
         x_btd = checkpoint_name(x_btd, "layer_input")  # names for train.remat=offload
         q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
         o_bthe = attention.attend(q_bthe, k_btke, v_btke, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
-                                  impl=self.attention, constrain=self.constrain)
+                                  impl=self.attention, constrain=self.constrain, window=self.window)
         o_bthe = checkpoint_name(self.constrain(o_bthe, BTHE), "attention_out")
         return self.finish(x_btd, o_bthe)
 
     def decode(self, x_btd, k_bske, v_bske, slot, positions_bt, first_b):
         """The block for T new tokens written at cache slots slot..slot+T-1 (positions_bt their
         rotary positions); each attends to the cached slots first_b..its own (slots before
-        first_b are a row's left padding). Returns (x_btd, k_bske, v_bske) with the cache updated."""
+        first_b are a row's left padding), the last `sliding_window` of them with a window.
+        Returns (x_btd, k_bske, v_bske) with the cache updated."""
         q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
         k_bske = jax.lax.dynamic_update_slice_in_dim(k_bske, k_btke.astype(k_bske.dtype), slot, axis=1)
         v_bske = jax.lax.dynamic_update_slice_in_dim(v_bske, v_btke.astype(v_bske.dtype), slot, axis=1)
         t, s = x_btd.shape[1], k_bske.shape[1]
         key_s, query_t = jnp.arange(s), slot + jnp.arange(t)
         mask_bts = (key_s[None, None, :] <= query_t[None, :, None]) & (key_s[None, None, :] >= first_b[:, None, None])
+        if self.window is not None:
+            mask_bts &= key_s[None, None, :] > query_t[None, :, None] - self.window
         x_btd = self.finish(x_btd, cached_attention(q_bthe, k_bske, v_bske, mask_bts))
         return (x_btd[0] if isinstance(x_btd, tuple) else x_btd), k_bske, v_bske
 

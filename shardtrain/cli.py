@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from shardtrain import config as config_lib, distributed
 
@@ -42,6 +43,9 @@ def mesh_devices(cfg: config_lib.RunConfig) -> int:
 
 def cmd_train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
+    if cfg.checkpoint.init_from and Path(cfg.checkpoint.init_from).resolve() == Path(cfg.run_dir).resolve():
+        raise config_lib.ConfigError(f"run_dir={cfg.run_dir} is checkpoint.init_from itself, so the run would resume "
+                                     "from those weights' checkpoint; give the run its own run_dir=DIR")
     config_lib.prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
     if not cfg.checkpoint_dir().startswith("gs://"):
         config_lib.prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
@@ -77,7 +81,7 @@ def cmd_plan(args) -> int:
 def cmd_prepare(args) -> int:
     from shardtrain import prepare
     opts = prepare.Options(tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,
-                           eval_fraction=args.eval_fraction, eos=args.eos)
+                           eval_fraction=args.eval_fraction, eos=args.eos, chat=args.chat)
     prepare.prepare(args.inputs, opts, workers=args.workers)
     return 0
 
@@ -105,6 +109,7 @@ def cmd_import_hf(args) -> int:
 def cmd_export_hf(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import weights
+    distributed.initialize()  # on every host of a multi-host run: process 0 writes (hf.export)
     weights.export_hf(args.source, args.out_dir, args.dtype, args.max_shard_size)
     return 0
 
@@ -117,7 +122,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise config_lib.ConfigError("generate: need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1")
     gen = generate.Generator.from_source(args.source, args.overrides)
-    prompts = [gen.encode(p) for p in args.prompt]
+    prompts = [gen.encode_chat(p) if args.chat else gen.encode(p) for p in args.prompt]
     stream = not args.json and len(prompts) == 1
     shown = {"ids": [], "text": ""}
 
@@ -180,6 +185,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--eos", default=None, help="EOS token when the tokenizer has none of <eos> </s> <|endoftext|>")
     pr.add_argument("--workers", type=int, default=None,
                     help="processes (default: one per CPU, at most one per file or part of a large file)")
+    pr.add_argument("--chat", action="store_true", help="JSONL conversations ({\"messages\": [...]}) through the "
+                    "tokenizer's chat template; the loss counts only the assistant's tokens")
     pr.set_defaults(func=cmd_prepare)
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out split")
     ev.add_argument("config", help="the run's YAML config")
@@ -209,6 +216,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="one JSON line per prompt: prompt and generated ids, text")
+    g.add_argument("--chat", action="store_true", help="each prompt as a user message through the model's chat "
+                   "template, the assistant's turn opened")
     g.add_argument("overrides", nargs="*", help="config KEY=VALUEs before the options (mesh.tensor=..., rules.*)")
     g.set_defaults(func=cmd_generate)
     return p

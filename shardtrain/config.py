@@ -178,6 +178,10 @@ class ModelConfig:
     """Biases on the query, key and value projections (Qwen2 / Qwen2.5)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head before rotary (Qwen3)."""
+    sliding_window: Optional[int] = None
+    """Sliding-window causal attention: a token attends to itself and the W - 1 tokens before it
+    (Hugging Face's `sliding_window`: Mistral, Qwen2 with use_sliding_window); null: the whole
+    causal context. Every attention implementation and generation's KV cache honour it."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
     n_experts: int = 0
@@ -576,6 +580,8 @@ def validate(cfg: RunConfig) -> None:
                           f"train.grad_accum_steps={t.grad_accum_steps}")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if m.sliding_window is not None and m.sliding_window < 1:
+        raise ConfigError(f"model.sliding_window: must be >= 1 (or null: the whole context), got {m.sliding_window}")
     if m.n_experts > 1 and not 1 <= m.experts_per_token <= m.n_experts:
         raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
                           f"model.n_experts={m.n_experts}")

@@ -9,7 +9,7 @@ Sources (data.source):
   synthetic  seeded arithmetic sequences; `eval` draws them from another seed.
   tokens     shards written by `shardtrain prepare` (tokens_source.py), read by range: documents
              (each ending in EOS) concatenated and cut into windows of seq_len + 1 tokens. A
-             sample is then a dict {tokens, segment_ids, positions} (see PackedWindows).
+             sample is then a dict {tokens, segment_ids, positions, loss_mask} (see PackedWindows).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class SyntheticSequences:
 
 
 def packed(cfg: RunConfig) -> bool:
-    """Whether samples are dicts {tokens, segment_ids, positions} (packed documents)."""
+    """Whether samples are dicts {tokens, segment_ids, positions, loss_mask} (packed documents)."""
     return cfg.data.source == "tokens"
 
 

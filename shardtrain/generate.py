@@ -25,15 +25,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardtrain import config as config_lib, mesh as mesh_lib, sharding, step as step_lib, weights
+from shardtrain import chat, config as config_lib, mesh as mesh_lib, sharding, step as step_lib, tokenize, weights
 
 
-def load_tokenizer(files_dir: Path | None):
-    """The `tokenizers.Tokenizer` of a model directory's tokenizer.json (None if there is none)."""
+def load_tokenizer(files_dir: Path | None) -> tokenize.HfTokenizer | None:
+    """The tokenizer of a model directory's tokenizer.json (None if there is none), loaded as
+    `shardtrain prepare` loads it; EOS comes from the model's config (`eos_ids`)."""
     if files_dir is None or not (files_dir / "tokenizer.json").is_file():
         return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(files_dir / "tokenizer.json"))
+    return tokenize.HfTokenizer(files_dir / "tokenizer.json", require_eos=False)
 
 
 def eos_ids(source: weights.Source, tokenizer) -> list[int]:
@@ -81,6 +81,8 @@ class Generator:
     mesh: jax.sharding.Mesh
     tokenizer: object = None
     eos: tuple[int, ...] = ()
+    files_dir: Path | None = None
+    """The directory of the tokenizer files (chat template included)."""
 
     @classmethod
     def from_source(cls, path: str | Path, overrides: Sequence[str] = ()) -> Generator:
@@ -101,15 +103,23 @@ class Generator:
         constrain = sharding.Constrain(cfg.rules, mesh)
         graphdef = nnx.split(step_lib.abstract_model(cfg, constrain))[0]
         tokenizer = load_tokenizer(source.files_dir)
-        return cls(cfg, nnx.merge(graphdef, params), mesh, tokenizer, tuple(eos_ids(source, tokenizer)))
+        return cls(cfg, nnx.merge(graphdef, params), mesh, tokenizer, tuple(eos_ids(source, tokenizer)),
+                   source.files_dir)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise config_lib.ConfigError("generate: no tokenizer.json beside these weights; pass token ids instead")
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=True)  # BOS where the tokenizer adds one
+
+    def encode_chat(self, text: str) -> list[int]:
+        """`text` as a user turn through the model's chat template, the assistant's turn opened (the
+        template writes BOS and the turn markers: no special tokens are added)."""
+        if self.tokenizer is None or self.files_dir is None:
+            raise config_lib.ConfigError("generate --chat: no tokenizer.json beside these weights")
+        return self.tokenizer.encode(chat.ChatTemplate(self.files_dir).prompt([{"role": "user", "content": text}]))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False) if self.tokenizer else ""
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         fields = {f.name for f in dataclasses.fields(RopeScalingConfig)} - {"type"}
         rope_scaling = RopeScalingConfig(type=kind, **{k: v for k, v in scaling.items() if k in fields})
     head_dim = hf.get("head_dim") or d // h
-    fields = dict(
+    fields = dict(sliding_window=sliding_window(hf, arch, where),
         name="gpt", vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=h,
         n_kv_heads=hf.get("num_key_value_heads") or h, d_ff=hf["intermediate_size"], rope_theta=float(theta),
         rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -152,9 +153,33 @@ def moe_architecture(m: ModelConfig) -> str:
                       "Qwen2-MoE: one gated shared expert; Qwen3-MoE: qk_norm, no shared experts)")
 
 
+def sliding_window(hf: dict, arch: str, where: str) -> int | None:
+    """The window every layer uses, as transformers decides it: Mistral's (and Mixtral's)
+    `sliding_window`; Qwen2 / Qwen3's when use_sliding_window, on layers from max_window_layers on
+    (or as `layer_types` says). A mix of windowed and full layers is refused (one window for all
+    our layers)."""
+    if arch == "LlamaForCausalLM":
+        return None
+    always = arch in ("MistralForCausalLM", "MixtralForCausalLM")
+    window = hf.get("sliding_window")
+    if not always and not hf.get("use_sliding_window", False):
+        window = None
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        first = 0 if always else hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n)]
+    windowed = sum(t == "sliding_attention" for t in types)
+    if 0 < windowed < n:
+        raise ConfigError(f"{where}: {windowed} of {n} layers use sliding_window={window} and the others full "
+                          "attention (max_window_layers / layer_types); only one kind for all layers is supported")
+    return int(window) if windowed and window else None
+
+
 def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
     """config.json for our model config: `base` (the imported model's) updated, or a fresh one."""
-    arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+    arch = ("Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias
+            else "MistralForCausalLM" if m.sliding_window else "LlamaForCausalLM")
     arch = moe_architecture(m) if m.n_experts > 1 else arch
     out = dict(base) if base else {"architectures": [arch], "model_type": SUPPORTED[arch], "hidden_act": "silu",
                                    "max_position_embeddings": 4096, "attention_bias": False}
@@ -182,6 +207,15 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
         if m.n_shared_experts:
             out["shared_expert_intermediate_size"] = m.shared_expert_d_ff or m.d_ff
     out.pop("torch_dtype", None)
+    windowed = m.sliding_window is not None
+    if (out.get("architectures") or [arch])[0] in ("MistralForCausalLM", "MixtralForCausalLM"):
+        out["sliding_window"] = m.sliding_window
+    elif windowed or out.get("use_sliding_window"):  # Qwen: windowed on every layer, or on none
+        out.update(use_sliding_window=windowed, max_window_layers=0 if windowed else m.n_layers)
+        if windowed:
+            out["sliding_window"] = m.sliding_window
+        if "layer_types" in out:
+            out["layer_types"] = ["sliding_attention" if windowed else "full_attention"] * m.n_layers
     if m.rope_scaling is not None:
         out["rope_scaling"] = rope
     else:
@@ -381,9 +415,15 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
            dtype: str = "float32", max_shard_bytes: int = 5 * 2 ** 30, side_files: Path | None = None) -> list[Path]:
     """Writes `params` (our tree, jax or numpy arrays) as an HF model directory: config.json,
     safetensors shards (with an index when there are several), tokenizer files. One layer's
-    tensor is fetched from the devices at a time. Returns the safetensors files written."""
+    tensor is fetched from the devices at a time. Returns the safetensors files written.
+
+    In a run of several processes every process calls this (a tensor spread over them is
+    gathered with `process_allgather`, a collective, in the same order everywhere) and process 0
+    alone writes; the others stream the same bytes to os.devnull."""
+    writer = jax.process_index() == 0
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
     np_dtype = np.dtype(safetensors_io.DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
     specs, fetch = [], {}
     for entry in tensor_map(m):
@@ -394,7 +434,12 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
 
     def produce(name):
         entry, array, index = fetch[name]
-        host = np.asarray(jax.device_get(array[index] if index else array))
+        x = array[index] if index else array
+        if getattr(x, "is_fully_addressable", True):
+            host = np.asarray(jax.device_get(x))
+        else:  # a tensor spread over several processes: every process gets the whole of it
+            from jax.experimental import multihost_utils
+            host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return entry.to_hf(host.astype(np.float32)).astype(np_dtype)
 
     shards, size = [[]], 0
@@ -408,7 +453,9 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
     files = [out / ("model.safetensors" if len(shards) == 1 else f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors")
              for j in range(len(shards))]
     for path, shard in zip(files, shards):
-        safetensors_io.write(path, shard, produce, metadata={"format": "pt"})
+        safetensors_io.write(path if writer else os.devnull, shard, produce, metadata={"format": "pt"})
+    if not writer:
+        return files
     if len(shards) > 1:
         total = sum(int(np.prod(s[1])) * np_dtype.itemsize for s in specs)
         index = {"metadata": {"total_size": total},

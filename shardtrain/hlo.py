@@ -147,11 +147,34 @@ def multipliers(comps: dict[str, list[Instr]], trips: bool = True) -> dict[str, 
             continue
         for ins in comps[name]:
             trip = _TRIP.search(ins.line)
+            trip = int(trip.group(1)) if trip else _counted_trips(ins, comps[name], comps)
             for key, value in _CALLEES.findall(ins.line):
                 for callee in re.findall(r"%([\w.\-]+)", value):
-                    times = int(trip.group(1)) if (trips and trip and key == "body") else 1
+                    times = trip if (trips and trip and key == "body") else 1
                     mult[callee] += mult[name] * times
     return mult
+
+
+def _counted_trips(ins: Instr, caller: list[Instr], comps: dict[str, list[Instr]]) -> int | None:
+    """Trip count of a while loop without XLA's known_trip_count (the TPU compiler prints none) whose
+    condition is `counter < N` and whose counter starts at a constant; None when it is not that."""
+    cond = re.search(r"\bcondition=%([\w.\-]+)", ins.line) if ins.opcode == "while" else None
+    body = comps.get(cond.group(1), []) if cond else []
+    root = next((i for i in body if i.line.lstrip().startswith("ROOT")), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.line:
+        return None
+    local, outer = {i.name: i for i in body}, {i.name: i for i in caller}
+    counter, limit = (local.get(o) for o in root.operands[:2])
+    init = outer.get(ins.operands[0]) if ins.operands else None
+    if not (counter and limit and init and counter.opcode == "get-tuple-element" and limit.opcode == "constant"
+            and init.opcode == "tuple"):
+        return None
+    start = outer.get(init.operands[int(re.search(r"index=(\d+)", counter.line).group(1))])
+    while start is not None and start.opcode in ("copy", "bitcast"):
+        start = outer.get(start.operands[0])
+    values = [re.search(r"constant\((-?\d+)\)", i.line) if i and i.opcode == "constant" else None
+              for i in (start, limit)]
+    return int(values[1].group(1)) - int(values[0].group(1)) if all(values) else None
 
 
 _NO_MEMORY = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
@@ -193,6 +216,28 @@ def _fusion_bytes(ins: Instr, shapes: dict[str, str], body: list[Instr]) -> floa
     return total
 
 
+def _convolution_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """2 x batch x output features x input features x the (output, kernel) position pairs that land
+    inside the input: the TPU compiler writes dots as convolutions, batched ones with a padded window."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.line)
+    lhs, rhs = (_dims(shapes.get(o, "")) for o in ins.operands[:2])
+    out = _dims(ins.shape)
+    if not labels or not lhs or not rhs or "dilate" in ins.line:
+        return 0.0
+    lhs_l, rhs_l, out_l = labels.groups()
+    window = re.search(r"window=\{([^}]*)\}", ins.line)
+    attrs = dict(kv.split("=") for kv in window.group(1).split()) if window else {}
+    n_spatial = sum(c.isdigit() for c in out_l)
+    size = [int(x) for x in attrs["size"].split("x")] if "size" in attrs else [1] * n_spatial
+    pads = [tuple(map(int, p.split("_"))) for p in attrs["pad"].split("x")] if "pad" in attrs else [(0, 0)] * n_spatial
+    strides = [int(x) for x in attrs["stride"].split("x")] if "stride" in attrs else [1] * n_spatial
+    pairs = 1
+    for d in range(n_spatial):
+        n_in, n_out = lhs[lhs_l.index(str(d))], out[out_l.index(str(d))]
+        pairs *= sum(1 for o in range(n_out) for k in range(size[d]) if 0 <= o * strides[d] + k - pads[d][0] < n_in)
+    return 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * pairs
+
+
 def _own_cost(comp: list[Instr], comps: dict[str, list[Instr]], fused: bool) -> tuple[float, float]:
     """(FLOPs, bytes read + written) of a computation's own instructions, counted as XLA's cost
     analysis does: 2mnk per dot, one per element of element-wise ops and reduce inputs
@@ -206,6 +251,8 @@ def _own_cost(comp: list[Instr], comps: dict[str, list[Instr]], fused: bool) -> 
             lhs = _dims(shapes.get(ins.operands[0], ""))
             k = math.prod(lhs[int(d)] for d in contracting.split(",") if d) if lhs else 0
             flops += 2 * math.prod(_dims(ins.shape)) * k
+        elif ins.opcode == "convolution":
+            flops += _convolution_flops(ins, shapes)
         elif ins.opcode in _ELEMENTWISE:
             flops += math.prod(_dims(ins.shape))
         elif ins.opcode == "reduce":

@@ -7,6 +7,8 @@ Layout of the output directory DIR:
   train/NNNNN.bin            the split's tokens of input file NNNNN: a flat array (uint16 when the
                              vocabulary fits, else uint32), each document followed by EOS
   train/NNNNN.idx.npy        int64 document boundaries into that array (documents + 1 entries)
+  train/NNNNN.mask.bin       --chat only: uint8 per token, 1 for the assistant's tokens (the ones
+                             the loss counts; chat.py), 0 for the prompt's and the EOS
   eval/...                   the same for the held-out documents
   parts/NNNNN.json           completion marker of input file NNNNN (written last)
 
@@ -19,7 +21,8 @@ goes to `eval` when crc32("FILE:N") / 2**32 < --eval-fraction (N its index in FI
 how many documents the parts before it hold): the split depends on nothing but the file name,
 the document's place and the fraction.
 Documents: a text file is one document (never split), a JSONL line or a Parquet row (field
---text-field) one.
+--text-field) one; with --chat a JSONL line's `messages` rendered through the tokenizer's chat
+template (chat.py).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardtrain import tokenize
+from shardtrain import chat, tokenize
 from shardtrain.config import ConfigError
 
 FORMAT = "shardtrain-tokens/1"
@@ -56,6 +59,8 @@ class Options:
     text_field: str = "text"
     eval_fraction: float = 0.0
     eos: str | None = None
+    chat: bool = False
+    """Conversations ({"messages": [...]} lines) through the chat template, with a loss mask."""
 
 
 def input_files(inputs: list[str]) -> list[str]:
@@ -151,22 +156,27 @@ def split_file(k: int, path: str, part_bytes: int = PART_BYTES) -> list[Part]:
     return [Part(k, path)]
 
 
+def jsonl_rows(part: Part):
+    """(FILE:LINE, the parsed JSON) of each non-blank line of a JSONL part."""
+    stop = os.path.getsize(part.path) if part.stop < 0 else part.stop
+    for line_no, line in enumerate(_lines(part.path, part.start, stop), part.first_line + 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8", errors="replace"))
+        except ValueError:
+            raise ConfigError(f"{part.path}:{line_no}: not valid JSON; each line must be one JSON object") from None
+        yield f"{part.path}:{line_no}", row
+
+
 def documents(part: Part, field: str):
     """The texts of one part: a .jsonl line's `field`, a .parquet row's, or the whole text file."""
     path, how = part.path, kind(part.path)
     if how == "jsonl":
-        stop = os.path.getsize(path) if part.stop < 0 else part.stop
-        for line_no, line in enumerate(_lines(path, part.start, stop), part.first_line + 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.decode("utf-8", errors="replace"))
-            except ValueError:
-                raise ConfigError(f"{path}:{line_no}: not valid JSON; each line must be one JSON object") from None
+        for where, row in jsonl_rows(part):
             if not isinstance(row, dict) or not isinstance(row.get(field), str):
                 have = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise ConfigError(f"{path}:{line_no}: no string field '{field}' (has: {have}); "
-                                  "pass --text-field NAME")
+                raise ConfigError(f"{where}: no string field '{field}' (has: {have}); pass --text-field NAME")
             yield row[field]
     elif how == "parquet":
         import pyarrow.parquet as pq
@@ -199,29 +209,39 @@ def _marker_key(part: Part, opts: Options, tokenizer_sha: str) -> dict:
     return {"input": os.path.abspath(part.path), "part": [part.part, part.parts, part.start, part.stop],
             "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "tokenizer_sha256": tokenizer_sha, "text_field": opts.text_field,
-            "eval_fraction": opts.eval_fraction, "eos": opts.eos}
+            "eval_fraction": opts.eval_fraction, "eos": opts.eos, **({"chat": True} if opts.chat else {})}
 
 
 class _SplitWriter:
-    def __init__(self, path: Path, dtype: np.dtype):
+    def __init__(self, path: Path, dtype: np.dtype, mask: bool = False):
         self.path, self.dtype = path, dtype
         self.tmp = path.with_suffix(".bin.tmp")
         self.file = open(self.tmp, "wb")
+        self.mask_path = path.with_suffix(".mask.bin") if mask else None
+        self.mask_file = open(self.mask_path.with_suffix(".tmp"), "wb") if mask else None
         self.sha, self.offsets = hashlib.sha256(), [0]
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         data = ids.astype(self.dtype).tobytes()
         self.file.write(data)
         self.sha.update(data)
         self.offsets.append(self.offsets[-1] + len(ids))
+        if self.mask_file is not None:
+            self.mask_file.write(mask.astype(np.uint8).tobytes())
 
     def abort(self) -> None:
         self.file.close()
         self.tmp.unlink(missing_ok=True)
+        if self.mask_file is not None:
+            self.mask_file.close()
+            Path(self.mask_file.name).unlink(missing_ok=True)
 
     def close(self) -> dict:
         self.file.close()
         os.replace(self.tmp, self.path)
+        if self.mask_file is not None:
+            self.mask_file.close()
+            os.replace(self.mask_file.name, self.mask_path)
         np.save(self.path.with_suffix(".idx.npy"), np.asarray(self.offsets, dtype=np.int64))
         return {"tokens": self.offsets[-1], "documents": len(self.offsets) - 1, "sha256": self.sha.hexdigest()}
 
@@ -233,20 +253,32 @@ def prepare_part(task: tuple[Part, Options, dict]) -> dict:
     tok = tokenize.load(opts.tokenizer, opts.eos)
     out = Path(opts.out)
     dtype = token_dtype(tok.vocab_size)
-    writers = {s: _SplitWriter(out / s / f"{part.name}.bin", dtype) for s in SPLITS}
+    writers = {s: _SplitWriter(out / s / f"{part.name}.bin", dtype, mask=opts.chat) for s in SPLITS}
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
-    pending: list[str] = []
+    pending: list = []
+    template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent) if opts.chat else None
 
     def flush(first_index: int):
-        for j, ids in enumerate(tok.encode_batch(pending)):
+        if template is None:
+            encoded = [(ids, None) for ids in tok.encode_batch(pending)]
+        else:  # (ids, assistant mask) of each rendered conversation
+            encoded = chat.encode(tok, [t for t, _ in pending], [s for _, s in pending])
+        for j, (ids, mask) in enumerate(encoded):
             split = "eval" if is_eval(os.path.basename(path), first_index + j, opts.eval_fraction) else "train"
-            writers[split].add(np.concatenate([ids, eos]))
+            writers[split].add(np.concatenate([ids, eos]), None if mask is None else np.append(mask, 0))
+
+    def texts():
+        if template is None:
+            yield from documents(part, opts.text_field)
+            return
+        for where, row in jsonl_rows(part):
+            yield template.render(chat.check_messages(row, where), where)
 
     index, chars = part.first_doc, 0
     try:
-        for text in documents(part, opts.text_field):
+        for text in texts():
             pending.append(text)
-            chars += len(text)
+            chars += len(text if template is None else text[0])
             if chars >= ENCODE_CHARS:
                 flush(index)
                 index, chars, pending = index + len(pending), 0, []
@@ -303,10 +335,19 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
                           f"(gcloud storage cp -r DIR {opts.out}) and train with data.path={opts.out}")
     files = input_files(inputs)
     tok = tokenize.load(opts.tokenizer, opts.eos)  # a bad tokenizer or --eos fails here, before any work
+    tok_sha = hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() if tok.name != "bytes" else "bytes"
+    if opts.chat:  # no template, or an input that is not JSONL: an error before any work
+        if not isinstance(tok, tokenize.HfTokenizer):  # chat.encode reads the tokenizer's character offsets
+            raise ConfigError(f"--chat needs a Hugging Face tokenizer directory with a chat template, not "
+                              f"`{opts.tokenizer}`")
+        template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent)
+        tok_sha += hashlib.sha256(template.source.encode()).hexdigest()
+        for f in files:
+            if kind(f) != "jsonl":
+                raise ConfigError(f"{f}: --chat reads JSONL files (a {{'messages': [...]}} per line), not this")
     out = Path(opts.out)
     for d in (*SPLITS, "parts"):
         (out / d).mkdir(parents=True, exist_ok=True)
-    tok_sha = hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() if tok.name != "bytes" else "bytes"
     parts = [p for k, f in enumerate(files) for p in split_file(k, f, part_bytes)]
     keys = {(p.file, p.part): _marker_key(p, opts, tok_sha) for p in parts}
     markers = {(p.file, p.part): _done(out, p, keys[p.file, p.part]) for p in parts}
@@ -332,11 +373,13 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
     if tok.name != "bytes":
         tok.save(out / "tokenizer.json")
     manifest = {"format": FORMAT, "tokenizer": "bytes" if tok.name == "bytes" else "tokenizer.json",
-                "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": token_dtype(tok.vocab_size).name,
+                "loss_mask": opts.chat, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                "dtype": token_dtype(tok.vocab_size).name,
                 "options": {k: v for k, v in asdict(opts).items() if k != "out"}, "splits": {}}
     for split in SPLITS:
         shards = [{"file": f"{split}/{p.name}.bin", "index": f"{split}/{p.name}.idx.npy",
-                   **markers[p.file, p.part][split]} for p in parts if markers[p.file, p.part][split]["tokens"]]
+                   **markers[p.file, p.part][split], **({"mask": f"{split}/{p.name}.mask.bin"} if opts.chat else {})}
+                  for p in parts if markers[p.file, p.part][split]["tokens"]]
         manifest["splits"][split] = {"tokens": sum(s["tokens"] for s in shards),
                                      "documents": sum(s["documents"] for s in shards), "shards": shards}
     train, held = manifest["splits"]["train"], manifest["splits"]["eval"]

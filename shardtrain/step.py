@@ -55,7 +55,7 @@ class Program:
     reduction mode or update (tests compare meshes with it)."""
 
     def abstract_batch(self):
-        """The global batch: int32 (B, T+1) tokens, or for packed data a dict of three of them."""
+        """The global batch: int32 (B, T+1) tokens, or for packed data a dict of PACKED_FIELDS of them."""
         t = self.cfg.train
         x = jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
                                  sharding=self.batch_sharding)
@@ -95,7 +95,7 @@ class Program:
                      max(self.cfg.train.global_batch_size if r.stop is None else r.stop for r in rows))
 
 
-PACKED_FIELDS = ("tokens", "segment_ids", "positions")
+PACKED_FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
 
 
 def unpack(batch):
@@ -103,11 +103,14 @@ def unpack(batch):
 
     Unpacked (an int array): every position counts, segment ids and positions are None. Packed
     (a dict): position t is masked when its input and target lie in different documents (the
-    input is an EOS, the target the next document's first token); EOS itself is predicted."""
+    input is an EOS, the target the next document's first token), or when the batch's loss_mask
+    (optional; chat data) is 0 at the target (a prompt token); EOS itself is predicted."""
     if not isinstance(batch, dict):
         return batch[:, :-1], batch[:, 1:], None, None, jnp.ones(batch[:, 1:].shape, jnp.float32)
     tokens, seg = batch["tokens"], batch["segment_ids"]
     weights_bt = (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)
+    if "loss_mask" in batch:
+        weights_bt = weights_bt * batch["loss_mask"][:, 1:].astype(jnp.float32)
     return tokens[:, :-1], tokens[:, 1:], seg[:, :-1], batch["positions"][:, :-1], weights_bt
 
 

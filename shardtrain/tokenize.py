@@ -11,6 +11,9 @@ converters), which `prepare` then saves as the dataset's tokenizer.json:
 A directory is searched for tokenizer.json, then tokenizer.model, then one *.tiktoken file.
 
 EOS: the tokenizer's first special token among EOS_NAMES, else the one given with `--eos TOKEN`.
+Special tokens: `prepare` encodes without them (a document's text is its tokens; EOS is appended,
+and a chat template writes BOS itself); `generate` encodes a prompt with them
+(add_special_tokens=True: Llama's BOS), as transformers does.
 """
 
 from __future__ import annotations
@@ -100,9 +103,11 @@ def is_tiktoken(path: Path) -> bool:
 
 
 class HfTokenizer:
-    """A `tokenizers.Tokenizer` from a tokenizer.json, or converted from sentencepiece / tiktoken."""
+    """A `tokenizers.Tokenizer` from a tokenizer.json, or converted from sentencepiece / tiktoken.
+    Without an EOS (and require_eos false, as generate reads a model's EOS from its config) eos_id
+    is None."""
 
-    def __init__(self, path: Path, eos: str | None = None):
+    def __init__(self, path: Path, eos: str | None = None, require_eos: bool = True):
         from tokenizers import Tokenizer
         self.path = path
         self.converted = path.suffix != ".json"
@@ -117,21 +122,30 @@ class HfTokenizer:
             self.tok = from_sentencepiece(path)
         self.name = str(path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = self._eos_id(eos)
+        self.eos_id = self._eos_id(eos, require_eos)
 
-    def _eos_id(self, eos: str | None) -> int:
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def _eos_id(self, eos: str | None, required: bool = True) -> int | None:
         names = (eos,) if eos else EOS_NAMES
         for name in names:
             token_id = self.tok.token_to_id(name)
             if token_id is not None:
                 return token_id
+        if not required:
+            return None
         if eos:
             raise ConfigError(f"--eos {eos}: no such token in {self.path}; give a token of its vocabulary")
         raise ConfigError(f"{self.path}: no EOS token ({', '.join(EOS_NAMES)}); name one with --eos TOKEN")
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        encodings = self.tok.encode_batch_fast(texts, add_special_tokens=False)
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[np.ndarray]:
+        encodings = self.tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """One text's ids; add_special_tokens=True applies the tokenizer's post-processor (BOS)."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -5,9 +5,12 @@ W = seq_len + 1, crossing document and shard boundaries (packing). Each window c
   segment_ids  the document of each token, counted from 0 at the window's first token
   positions    each token's offset inside its document (0 at a document's first token; a
                document that began in an earlier window continues its count)
+  loss_mask    1 where the token is one the loss predicts: the mask `prepare --chat` wrote (the
+               assistant's tokens), all ones for other data
 The training loss masks position t (input token t predicting token t+1) when the two belong to
 different documents: the input is a document's EOS and the target the next document's first
-token. EOS itself is predicted (from the document's last token).
+token. EOS itself is predicted (from the document's last token). It also masks position t when
+loss_mask[t + 1] is 0 (a prompt token of a conversation).
 
 Reads go through storage.py, by byte range from local disk (os.pread) or a gs:// URL
 (tensorstore): a window is one range of its shard plus a binary search over the shard's document
@@ -72,6 +75,13 @@ class Shard:
             if sha.hexdigest() != entry["sha256"]:
                 raise ConfigError(f"{self.name}: sha256 does not match manifest.json; the shard is corrupt: {redo}")
         self.tokens = storage.RangeArray(store, key, dtype, 0, entry["tokens"])
+        self.mask = None
+        if "mask" in entry:  # prepare --chat: uint8 per token
+            problem = store.check_size(entry["mask"], entry["tokens"])
+            if problem:
+                raise ConfigError(f"{store.name(entry['mask'])}: loss mask listed in manifest.json is "
+                                  f"{'missing' if problem == 'missing' else 'not one byte per token'}; {redo}")
+            self.mask = storage.RangeArray(store, entry["mask"], np.uint8, 0, entry["tokens"])
         self.offsets = storage.npy_array(store, entry["index"])
         if self.offsets is None:
             raise ConfigError(f"{store.name(entry['index'])}: document index listed in manifest.json is missing; "
@@ -123,9 +133,21 @@ class TokenSplit:
             k += 1
         return tuple(np.concatenate(p) for p in zip(*parts))
 
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """The loss mask (uint8) of stream tokens [start, stop): the shards' masks, ones where none."""
+        parts = []
+        k = bisect.bisect_right(self.starts, start) - 1
+        while start < stop:
+            shard = self.shards[k]
+            lo, hi = start - self.starts[k], min(stop, self.starts[k + 1]) - self.starts[k]
+            parts.append(np.ones(hi - lo, np.uint8) if shard.mask is None else shard.mask[lo:hi])
+            start += hi - lo
+            k += 1
+        return np.concatenate(parts)
+
 
 class PackedWindows:
-    """Window i of a TokenSplit: {tokens, segment_ids, positions}, each int32 of seq_len + 1."""
+    """Window i of a TokenSplit: {tokens, segment_ids, positions, loss_mask}, each int32 of seq_len + 1."""
 
     def __init__(self, split: TokenSplit, window: int, vocab_size: int):
         self.split, self.window, self.vocab_size = split, window, vocab_size
@@ -140,7 +162,8 @@ class PackedWindows:
     def __getitem__(self, i):
         tokens, docs, positions = self.split.read(i * self.window, (i + 1) * self.window, self.vocab_size)
         return {"tokens": tokens.astype(np.int32), "segment_ids": (docs - docs[0]).astype(np.int32),
-                "positions": positions.astype(np.int32)}
+                "positions": positions.astype(np.int32),
+                "loss_mask": self.split.read_mask(i * self.window, (i + 1) * self.window).astype(np.int32)}
 
 
 def windows(cfg: RunConfig, split: str, directory: str | None = None) -> PackedWindows:
@@ -159,5 +182,7 @@ def describe(cfg: RunConfig) -> str:
         m = read_manifest(d)
         pad = (f", model.vocab_size {cfg.model.vocab_size} pads it by {cfg.model.vocab_size - m['vocab_size']}"
                if cfg.model.vocab_size > m["vocab_size"] else "")
-        lines.append(f"{d}: {m['splits']['train']['tokens']} train tokens, tokenizer vocab {m['vocab_size']}{pad}")
+        chat = ", loss on the assistant's tokens (chat)" if m.get("loss_mask") else ""
+        lines.append(f"{d}: {m['splits']['train']['tokens']} train tokens, tokenizer vocab {m['vocab_size']}"
+                     f"{pad}{chat}")
     return "data: " + "; ".join(lines)

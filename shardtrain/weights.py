@@ -91,6 +91,7 @@ def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
 
 def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     """Only `params` of a checkpoint step (the optimizer state, if any, is not read)."""
+    step_dir = Path(step_dir).absolute()  # orbax's metadata of a relative path has no tree (orbax 0.12.8)
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     saved = ckptr.metadata(step_dir / "state")
     saved = getattr(saved, "item_metadata", saved)
@@ -220,7 +221,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
         raise config_lib.ConfigError(f"import-hf: {out} already holds checkpoints; give a new OUT_DIR")
     cfg = config_lib.load(None, ["mesh.fsdp=-1", f"run_dir={out}", f"checkpoint.init_from={out}",
                                  "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", *overrides])
-    cfg = dataclasses.replace(cfg, model=src.model, name=out.name)
+    cfg = dataclasses.replace(cfg, model=src.model, name=f"{out.name}-ft")  # its runs: runs/NAME-ft, not OUT_DIR
     config_lib.validate(cfg)
     prog = program_for(cfg)
     params = src.params(prog.abstract_state["params"])
@@ -232,10 +233,6 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     shutil.copyfile(src.dir / "config.json", out / HF_CONFIG)
     hf.copy_side_files(src.dir, out)
     n = sum(x.size for x in jax.tree.leaves(params))
-    window = src.hf.get("sliding_window") if src.hf.get("use_sliding_window", True) else None
-    if window:
-        say(f"note: {src.dir}/config.json sets sliding_window={window}; shardtrain attends to the whole "
-            f"context, which matches the model only up to {window} tokens")
     say(f"imported {hf.architecture(src.hf, '')} ({n / 1e6:.2f}M parameters) from {src.dir} to {out} "
         f"in {time.perf_counter() - t0:.1f} s; fine-tune with: shardtrain train {out / 'config.yaml'}")
 
@@ -266,5 +263,6 @@ def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shar
     params = merge_adapters(source.params(prog.abstract_state["params"]), source.model)
     files = hf.export(params, source.model, out_dir, base=base, dtype=dtype, max_shard_bytes=limit,
                       side_files=source.files_dir)
-    say(f"exported {source.step_dir or source.path} to {out_dir} ({len(files)} safetensors file"
-        f"{'s' * (len(files) > 1)}, {dtype}) in {time.perf_counter() - t0:.1f} s")
+    if jax.process_index() == 0:
+        say(f"exported {source.step_dir or source.path} to {out_dir} ({len(files)} safetensors file"
+            f"{'s' * (len(files) > 1)}, {dtype}) in {time.perf_counter() - t0:.1f} s")

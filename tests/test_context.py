@@ -12,8 +12,10 @@ from models.attention import load_balanced_order
 from shardtrain import config, mesh as mesh_lib, sharding, step as step_lib
 
 
-def reference(q, k, v, pos_bt, seg_bt):
+def reference(q, k, v, pos_bt, seg_bt, window=None):
     mask = (pos_bt[:, :, None] >= pos_bt[:, None, :]) & (seg_bt[:, :, None] == seg_bt[:, None, :])
+    if window is not None:  # sliding window: keys fewer than `window` positions back
+        mask &= pos_bt[:, :, None] - pos_bt[:, None, :] < window
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
 
 
@@ -22,8 +24,8 @@ def test_load_balanced_order_gives_device_i_chunks_i_and_its_mirror():
     assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
-@pytest.mark.parametrize("chunk", [8])
-def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_documents(chunk):
+@pytest.mark.parametrize("chunk, window", [(8, None), (4, 10)])
+def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_documents(chunk, window):
     b, t, h, kh, e = 2, 64, 4, 2, 8
     q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, e)) for i, n in enumerate((h, kh, kh)))
     order = jnp.asarray(load_balanced_order(t, 4))
@@ -36,10 +38,10 @@ def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_do
         o = fn(q, k, v)
         return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape))), o
     def run_ring(q, k, v):
-        return attention.ring(q, k, v, pos_bt, seg_bt, constrain=c, chunk=chunk)
+        return attention.ring(q, k, v, pos_bt, seg_bt, constrain=c, chunk=chunk, window=window)
     ring = jax.jit(jax.value_and_grad(lambda *a: loss(run_ring, *a),
                                       argnums=(0, 1, 2), has_aux=True))
-    ref = jax.jit(jax.value_and_grad(lambda *a: loss(lambda q, k, v: reference(q, k, v, pos_bt, seg_bt), *a),
+    ref = jax.jit(jax.value_and_grad(lambda *a: loss(lambda q, k, v: reference(q, k, v, pos_bt, seg_bt, window), *a),
                                      argnums=(0, 1, 2), has_aux=True))
     (_, o_ring), g_ring = ring(q, k, v)
     (_, o_ref), g_ref = ref(q, k, v)

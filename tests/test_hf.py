@@ -70,7 +70,7 @@ def test_greedy_generation_equals_transformers(family):
     stopped = gen.generate([ref["prompt_ids"], short], 20)  # EOS (id 0) ends a row, EOS included
     eos_at = ref["new_ids"].index(0) + 1 if 0 in ref["new_ids"] else 20
     assert stopped[0] == ref["new_ids"][:eos_at]
-    if family == "llama":  # the left-padded row generates what it does alone
+    if family in ("llama", "mistral"):  # the left-padded row generates what it does alone (window too)
         assert out[1] == gen.generate([short], 20, stop_at_eos=False)[0]
 
 
@@ -100,11 +100,16 @@ def test_sampling_is_seeded_and_top_p_keeps_the_smallest_set_reaching_p():
     assert np.array_equal(draw(0.9, 1), draw(0.9, 1)) and not np.array_equal(draw(0.9, 1), draw(0.9, 2))
 
 
-def test_import_then_export_round_trips_bit_exactly(tmp_path):
+def test_import_then_export_round_trips_bit_exactly(tmp_path, monkeypatch):
     src = FIXTURES / "qwen3"  # sharded with an index, bf16
     weights.import_hf(str(src), str(tmp_path / "imp"), say=lambda _: None)
     assert (tmp_path / "imp" / "config.yaml").exists() and (tmp_path / "imp" / "tokenizer.json").exists()
-    weights.export_hf(str(tmp_path / "imp"), str(tmp_path / "exp"), max_shard_size="30KB", say=lambda _: None)
+    assert "name: imp-ft" in (tmp_path / "imp" / "config.yaml").read_text()  # runs go to runs/imp-ft
+    with pytest.raises(SystemExit) as e:  # a run directory that is the import's own would resume from it
+        cli.main(["train", str(tmp_path / "imp" / "config.yaml"), f"run_dir={tmp_path / 'imp'}"])
+    assert e.value.code == 2
+    monkeypatch.chdir(tmp_path)  # relative paths, as typed on a command line
+    weights.export_hf("imp", "exp", max_shard_size="30KB", say=lambda _: None)
     a = safetensors_io.Reader(hf.safetensors_files(src))
     b = safetensors_io.Reader(hf.safetensors_files(tmp_path / "exp"))
     assert sorted(a.names()) == sorted(b.names())
@@ -188,6 +193,13 @@ def test_published_config_files_map_to_our_fields():
     assert (m.n_experts, m.experts_per_token, m.d_ff, m.qk_norm, m.n_shared_experts) == (128, 8, 768, True, 0)
     with pytest.raises(ConfigError, match="dense layers between MoE layers are not supported"):
         hf.model_config({**qwen3_30b_a3b, "mlp_only_layers": [0]})
+    mistral_v01 = hf.model_config({**mistral, "sliding_window": 4096})
+    assert mistral_v01.sliding_window == 4096 and hf.model_config(hf.hf_config(mistral_v01)) == mistral_v01
+    assert hf.model_config(qwen25_7b).sliding_window is None  # use_sliding_window false
+    qwen_windowed = hf.model_config({**qwen25_7b, "use_sliding_window": True, "max_window_layers": 0})
+    assert qwen_windowed.sliding_window == 131072 and hf.model_config(hf.hf_config(qwen_windowed)) == qwen_windowed
+    with pytest.raises(ConfigError, match="20 of 28 layers use sliding_window=131072 and the others full"):
+        hf.model_config({**qwen25_7b, "use_sliding_window": True, "max_window_layers": 8})
     with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
         hf.model_config({**qwen25_7b, "rope_scaling": {"type": "yarn", "factor": 4.0}})
 

@@ -1,0 +1,198 @@
+"""Chat data: conversations rendered through the tokenizer's chat template, with a loss mask
+that keeps only the assistant's tokens (`shardtrain prepare --chat`).
+
+Input: JSONL, one conversation a line: {"messages": [{"role": "user", "content": "..."}, ...]}
+(roles: system, user, assistant, tool; content a string). The template is the model
+directory's, as transformers finds it: chat_template.jinja, else tokenizer_config.json's
+`chat_template` (a string, or the entry named `default`), else chat_template.json.
+
+Rendering is jinja2 in a sandbox set up as transformers' `apply_chat_template` sets it up
+(ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, loopcontrols, `tojson`,
+`raise_exception`, `strftime_now`, the tokenizer's special tokens as variables), so a template
+renders the same text here as there, without torch or transformers. The assistant's characters:
+- the template's `{% generation %}...{% endgeneration %}` blocks where it has them (what
+  transformers' return_assistant_tokens_mask reads);
+- else for the i-th message, an assistant's, the characters between rendering messages[:i] with
+  add_generation_prompt=true and rendering messages[:i+1]: its content and whatever the template
+  closes a turn with (an end-of-turn token), not the header that opens it. A template that does
+  not render a conversation's prefixes as prefixes of the whole (one that drops earlier turns'
+  reasoning, say) is refused: add `{% generation %}` blocks to it.
+The text is tokenized once (no special tokens added: the template writes BOS itself); a token
+is an assistant token when its characters overlap an assistant span.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from shardtrain.config import ConfigError
+
+ROLES = ("system", "user", "assistant", "tool")
+FIELD = "messages"
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def find_template(tokenizer_dir: Path) -> tuple[str, str]:
+    """(template text, where it came from) of a tokenizer directory; ConfigError when there is none."""
+    jinja = tokenizer_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(), str(jinja)
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        path = tokenizer_dir / name
+        if path.is_file():
+            template = json.loads(path.read_text()).get("chat_template")
+            if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+                template = {t.get("name"): t.get("template") for t in template}.get("default")
+            if isinstance(template, str):
+                return template, f"{path}:chat_template"
+    raise ConfigError(f"--chat: {tokenizer_dir} has no chat template (chat_template.jinja, or chat_template in "
+                      "tokenizer_config.json); use a chat model's tokenizer files, or add a template there")
+
+
+def special_tokens(tokenizer_dir: Path) -> dict[str, str]:
+    """bos_token, eos_token, ... of tokenizer_config.json (the variables templates read)."""
+    path = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    out = {}
+    for key, value in config.items():
+        value = value.get("content") if isinstance(value, dict) else value
+        if key.endswith("_token") and isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def _environment():
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}`: records the character span of what it renders."""
+
+        tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            environment.extend(generation_spans=None, rendered_blocks=None)
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(lineno)
+
+        def _span(self, caller):
+            text = caller()
+            env = self.environment
+            if env.generation_spans is not None:
+                start = sum(len(b) for b in env.rendered_blocks)
+                env.generation_spans.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env
+
+
+class ChatTemplate:
+    """A tokenizer directory's chat template, rendering conversations with their assistant spans."""
+
+    def __init__(self, tokenizer_dir: Path):
+        import jinja2
+        self.source, where = find_template(tokenizer_dir)
+        self.variables = special_tokens(tokenizer_dir)
+        self.env = _environment()
+        try:
+            self.template = self.env.from_string(self.source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ConfigError(f"{where}: the chat template does not parse ({e.message}, template line "
+                              f"{e.lineno})") from None
+        self.tracked = bool(GENERATION_TAG.search(self.source))
+
+    def _render(self, messages: list, add_generation_prompt: bool, spans: list | None = None) -> str:
+        self.env.generation_spans, self.env.rendered_blocks = spans, []
+        try:
+            for block in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                **self.variables):
+                self.env.rendered_blocks.append(block)
+            return "".join(self.env.rendered_blocks)
+        finally:
+            self.env.generation_spans = self.env.rendered_blocks = None
+
+    def prompt(self, messages: list, where: str = "generate --chat") -> str:
+        """The text that asks the model for the next assistant turn (add_generation_prompt)."""
+        import jinja2
+        try:
+            return self._render(messages, True)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"{where}: the chat template failed: {e}") from None
+
+    def render(self, messages: list, where: str) -> tuple[str, list[tuple[int, int]]]:
+        """(text, character spans of the assistant's turns) of one conversation."""
+        import jinja2
+        try:
+            if self.tracked:
+                spans: list[tuple[int, int]] = []
+                return self._render(messages, False, spans), spans
+            text = self._render(messages, False)
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                before = self._render(messages[:i], True)
+                through = self._render(messages[:i + 1], False)
+                if not (through.startswith(before) and text.startswith(through)):
+                    raise ConfigError(f"{where}: the chat template does not render the conversation up to message "
+                                      f"{i} as a prefix of the whole, so its assistant tokens are unknown; add "
+                                      "{% generation %} blocks around the assistant's turns to the template")
+                spans.append((len(before), len(through)))
+            return text, spans
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"{where}: the chat template failed: {e}") from None
+
+
+def check_messages(row, where: str) -> list[dict]:
+    """The `messages` of one JSONL row; ConfigError naming `where` (FILE:LINE) when malformed."""
+    messages = row.get(FIELD) if isinstance(row, dict) else None
+    if not isinstance(messages, list) or not messages:
+        have = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+        raise ConfigError(f"{where}: no '{FIELD}' list (has: {have}); each line must be "
+                          '{"messages": [{"role": "user", "content": "..."}, ...]}')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise ConfigError(f"{where}: message {i} has role {role!r}; known roles: {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise ConfigError(f"{where}: message {i} ({m['role']}) has no string 'content'")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConfigError(f"{where}: no assistant message, so nothing to train on; drop the line or add a reply")
+    return messages
+
+
+def assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """uint8 per token: 1 when the token's characters overlap an assistant span."""
+    if not offsets:
+        return np.zeros(0, np.uint8)
+    start, end = np.asarray(offsets, np.int64).T
+    mask = np.zeros(len(start), bool)
+    for lo, hi in spans:
+        mask |= (start < hi) & (end > lo)
+    return mask.astype(np.uint8)
+
+
+def encode(tokenizer, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(token ids uint32, assistant mask uint8) of rendered conversations (a tokenize.HfTokenizer)."""
+    encodings = tokenizer.tok.encode_batch(texts, add_special_tokens=False)
+    return [(np.asarray(e.ids, np.uint32), assistant_mask(e.offsets, s)) for e, s in zip(encodings, spans)]
