@@ -259,8 +259,9 @@ def _own_cost(comp: list[Instr], comps: dict[str, list[Instr]], fused: bool) -> 
             flops += math.prod(_dims(shapes.get(ins.operands[0], "")))
         if fused or ins.opcode in _NO_MEMORY:
             continue
-        if ins.opcode == "fusion":
-            nbytes += _fusion_bytes(ins, shapes, comps[_FUSION_CALLEE.search(ins.line).group(1)])
+        callee = comps.get(_FUSION_CALLEE.search(ins.line).group(1)) if ins.opcode == "fusion" else None
+        if callee is not None:
+            nbytes += _fusion_bytes(ins, shapes, callee)
         elif ins.opcode in _SLICES:
             nbytes += 2 * _size(ins.shape)
         elif ins.opcode == "dynamic-update-slice":
