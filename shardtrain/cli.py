@@ -236,7 +236,7 @@ def main(argv=None) -> None:
     except config_lib.ConfigError as e:
         print(f"{distributed.tag()}: error: {e}", file=sys.stderr)
         code = 2
-        distributed.leave_after_error(code)
+        distributed.leave_after_error(code, wait_for_peers_s=10)
     sys.exit(code)
 
 

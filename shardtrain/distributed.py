@@ -158,10 +158,19 @@ def _report_and_exit(kind, value, tb) -> None:
     leave_after_error(EXIT_ERROR)
 
 
-def leave_after_error(code: int) -> None:
+def leave_after_error(code: int, wait_for_peers_s: float = 0) -> None:
     """In a run of several processes, exits now: after an error the peers may never reach JAX's
-    shutdown barrier, and a normal exit would wait there for minutes. A lone process returns."""
+    shutdown barrier, and a normal exit would wait there for minutes. `wait_for_peers_s`: first wait
+    that long at a barrier for peers that hit the same error (a config mistake every process finds),
+    so none is cut off by the coordinator's exit before it has said so. A lone process returns."""
     if _tag != "shardtrain":
         sys.stdout.flush()
         sys.stderr.flush()
+        if wait_for_peers_s:
+            from jax._src import distributed as jax_distributed  # the client's barrier with a timeout
+
+            try:
+                jax_distributed.global_state.client.wait_at_barrier("shardtrain_error", int(wait_for_peers_s * 1000))
+            except Exception:  # a peer did not come (another state, or dead): leave anyway
+                pass
         os._exit(code)
