@@ -21,7 +21,8 @@ def run_cli(capsys, *argv):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["mesh.data=3"], "mesh (data=3, pipeline=1, fsdp=2, expert=1, context=1, tensor=2) needs 12 devices but 8 are present"),
+    (["mesh.data=3"],
+     "mesh (data=3, pipeline=1, fsdp=2, expert=1, context=1, tensor=2) needs 12 devices but 8 are present"),
     (["mesh.data=-1", "mesh.tensor=-1"], "mesh: only one axis may be -1"),
     (["train.stpes=3"], "did you mean 'steps'?"),
     (["train.steps=ten"], "train.steps: expected int, got 'ten'"),
