@@ -108,6 +108,16 @@ class Instr:
     line: str
 
 
+def _root(comp: list[Instr]) -> Instr | None:
+    """A computation's ROOT instruction (the last one where none is marked)."""
+    return next((i for i in comp if i.line.lstrip().startswith("ROOT")), comp[-1] if comp else None)
+
+
+def _tuple_index(ins: Instr) -> int:
+    """The element a get-tuple-element takes."""
+    return int(re.search(r"index=(\d+)", ins.line).group(1))
+
+
 def parse_module(text: str) -> dict[str, list[Instr]]:
     """Computation name -> instructions, in the order of the text (callees before callers)."""
     comps: dict[str, list[Instr]] = {}
@@ -160,7 +170,7 @@ def _counted_trips(ins: Instr, caller: list[Instr], comps: dict[str, list[Instr]
     condition is `counter < N` and whose counter starts at a constant; None when it is not that."""
     cond = re.search(r"\bcondition=%([\w.\-]+)", ins.line) if ins.opcode == "while" else None
     body = comps.get(cond.group(1), []) if cond else []
-    root = next((i for i in body if i.line.lstrip().startswith("ROOT")), None)
+    root = _root(body)
     if root is None or root.opcode != "compare" or "direction=LT" not in root.line:
         return None
     local, outer = {i.name: i for i in body}, {i.name: i for i in caller}
@@ -169,7 +179,7 @@ def _counted_trips(ins: Instr, caller: list[Instr], comps: dict[str, list[Instr]
     if not (counter and limit and init and counter.opcode == "get-tuple-element" and limit.opcode == "constant"
             and init.opcode == "tuple"):
         return None
-    start = outer.get(init.operands[int(re.search(r"index=(\d+)", counter.line).group(1))])
+    start = outer.get(init.operands[_tuple_index(counter)])
     while start is not None and start.opcode in ("copy", "bitcast"):
         start = outer.get(start.operands[0])
     values = [re.search(r"constant\((-?\d+)\)", i.line) if i and i.opcode == "constant" else None
@@ -198,7 +208,7 @@ def _fusion_bytes(ins: Instr, shapes: dict[str, str], body: list[Instr]) -> floa
     only slices counts as the slices, and an array it updates in place (a dynamic-update-slice
     root) as the update."""
     shapes_in = {i.name: i.shape for i in body}
-    root = next((i for i in body if i.line.lstrip().startswith("ROOT")), body[-1])
+    root = _root(body)
     in_place = root.operands[0] if root.opcode == "dynamic-update-slice" else None
     users = defaultdict(list)
     for i in body:
@@ -349,7 +359,7 @@ def _partition_scalars(comps: dict[str, list[Instr]]) -> dict[str, set[str]]:
             if ins.opcode in ("partition-id", "replica-id"):
                 t.add(ins.name)
             elif ins.opcode == "get-tuple-element" and ins.operands[0] in params and \
-                    int(re.search(r"index=(\d+)", ins.line).group(1)) in carried[name]:
+                    _tuple_index(ins) in carried[name]:
                 t.add(ins.name)
             elif ins.shape.split("{")[0].endswith("[]") and t.intersection(ins.operands):
                 t.add(ins.name)
@@ -359,9 +369,8 @@ def _partition_scalars(comps: dict[str, list[Instr]]) -> dict[str, set[str]]:
             init = by_name.get(ins.operands[0]) if body else None
             if init is None or init.opcode != "tuple" or body.group(1) not in comps:
                 continue
-            root = comps[body.group(1)][-1]
-            gte = {i.name: int(re.search(r"index=(\d+)", i.line).group(1))
-                   for i in comps[body.group(1)] if i.opcode == "get-tuple-element"}
+            root = _root(comps[body.group(1)])
+            gte = {i.name: _tuple_index(i) for i in comps[body.group(1)] if i.opcode == "get-tuple-element"}
             carried[body.group(1)] |= {k for k, op in enumerate(init.operands) if op in t and root.opcode == "tuple"
                                        and k < len(root.operands) and gte.get(root.operands[k]) == k}
     return tainted
@@ -374,7 +383,7 @@ def _sliced_by_partition(comp: list[Instr], name: str, tainted: set[str]) -> set
     index_of = {name: -1}
     for ins in comp:
         if ins.opcode == "get-tuple-element" and ins.operands == [name]:
-            index_of[ins.name] = int(re.search(r"index=(\d+)", ins.line).group(1))
+            index_of[ins.name] = _tuple_index(ins)
     for ins in comp:
         for operand in ins.operands:
             if operand in index_of and ins.opcode != "get-tuple-element":
