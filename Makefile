@@ -1,7 +1,7 @@
 # make train: create .venv, install, run the default training. make test: the whole suite. make lint: ruff.
 PY ?= python3
 # pytest-xdist workers for make test: the suite is single-threaded (tiny models; TPU compiles), so 2 workers
-# halve its wall time on CI's 2 cores. Modules that build a shared fixture run on one worker (xdist_group).
+# halve its wall time on CI's 2 cores. Tests that share a fixture run on one worker (tests/conftest.py ONE_WORKER).
 TEST_WORKERS ?= 2
 VENV := .venv
 STAMP := $(VENV)/.installed

@@ -18,8 +18,6 @@ import models
 from shardtrain import chat, cli, generate, mesh as mesh_lib, prepare, step, tokenize, tokens_source
 from shardtrain.config import ConfigError
 
-pytestmark = pytest.mark.xdist_group("chat")  # under pytest -n: one worker builds `chat_data` once
-
 SPECIAL = ["<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 PLAIN = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
          "{% if add_generation_prompt %}<|assistant|>{% endif %}")

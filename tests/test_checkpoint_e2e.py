@@ -19,7 +19,7 @@ import pytest
 from conftest import TINY
 from shardtrain import checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("checkpoint_e2e")]  # one worker: `straight`
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 30

@@ -23,8 +23,6 @@ import models
 from shardtrain import cli, config, data, mesh as mesh_lib, prepare, step, storage, tokenize, tokens_source
 from shardtrain.config import ConfigError
 
-pytestmark = pytest.mark.xdist_group("data")  # under pytest -n: one worker builds the corpus, `packed_loss` once
-
 DOCS = [f"document {i}: " + " ".join(f"w{(i * 7 + j) % 13}" for j in range(3 + i % 9)) for i in range(60)]
 
 

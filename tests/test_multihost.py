@@ -26,7 +26,7 @@ PLAIN = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 HYBRID = ["mesh.data=1", "mesh.dcn.data=2", "mesh.fsdp=2", "mesh.tensor=2"]  # data across the 2 processes
 LONG = ["train.steps=100000", "checkpoint.every_steps=100000"]
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multihost")]  # one worker: shared runs
+pytestmark = pytest.mark.slow
 
 
 def env() -> dict:

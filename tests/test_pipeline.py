@@ -10,8 +10,6 @@ from conftest import TINY
 from shardtrain import blocks, config, loop, mesh as mesh_lib, pipeline, sharding, step as step_lib
 from shardtrain.config import ConfigError
 
-pytestmark = pytest.mark.xdist_group("pipeline")  # under pytest -n: one worker builds `mlp_reference` once
-
 SMALL = [*TINY, "model.n_layers=8", "model.n_heads=2", "model.n_kv_heads=2", "train.global_batch_size=32"]
 
 

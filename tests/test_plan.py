@@ -14,8 +14,6 @@ import pytest
 from conftest import TINY
 from shardtrain import chips, cli, config, hlo, mesh as mesh_lib, pipeline, plan, search, step
 
-pytestmark = pytest.mark.xdist_group("plan")  # under pytest -n: one worker builds `planned` once
-
 # The core still calls flax/optax APIs that flax 0.12.8 / optax 0.2.8 deprecate (for the core to fix).
 
 SMALL = TINY

@@ -29,16 +29,12 @@ def tpu_cfg(mesh_name, *extra):
     return config.load(None, [*TPU_SMALL, *HARDWARE, f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}", *extra])
 
 
-SHARES_PLANNED = pytest.mark.xdist_group("plan_tpu")  # under pytest -n: one worker compiles `planned` once
-
-
 @functools.cache
 def planned(mesh_name: str) -> dict:
     cfg = tpu_cfg(mesh_name)
     return plan.plan_one(cfg, list(topology.devices(chips.CHIPS["v5e"], "2x2")), chips.CHIPS["v5e"])
 
 
-@SHARES_PLANNED
 def test_config_hardware_plans_on_the_tpu_compiler_without_flags(capsys):
     cfg = tpu_cfg("fsdp")
     assert plan.main(cfg, *plan.target(cfg, 8), as_json=True) == 0
@@ -49,7 +45,6 @@ def test_config_hardware_plans_on_the_tpu_compiler_without_flags(capsys):
     assert r["compile_s"] > 0 and r["fits"]
 
 
-@SHARES_PLANNED
 def test_tpu_argument_bytes_are_the_analytical_shard_bytes():
     args = {name: planned(name)["compiled_memory_bytes"]["arguments"] for name in MESHES}
     batch = {name: planned(name)["memory_per_device_bytes"]["batch"] for name in MESHES}
@@ -65,7 +60,6 @@ def test_tpu_argument_bytes_are_the_analytical_shard_bytes():
         assert 0 < args[name] - 3 * m["params"] - m["batch"] <= 4 * 512
 
 
-@SHARES_PLANNED
 def test_tpu_fsdp_gathers_weights_and_reduce_scatters_gradients():
     c = planned("fsdp")["collectives"]
     assert {a for row in c.values() for a in row["axes"]} == {"fsdp"}
@@ -94,7 +88,6 @@ def test_tpu_plan_bypasses_the_persistent_compilation_cache_a_run_switched_on(tm
         compilation_cache.reset_cache()
 
 
-@SHARES_PLANNED
 def test_tpu_estimate_is_within_the_chip():
     for name in MESHES:
         e = planned(name)["estimate"]

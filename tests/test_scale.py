@@ -12,8 +12,6 @@ from flax import nnx
 import models
 from shardtrain import config, mesh as mesh_lib, step
 
-pytestmark = pytest.mark.xdist_group("scale")  # under pytest -n: one worker builds `small` once
-
 
 def logits(cfg_model, tokens, **kw):
     model = models.get("gpt")(cfg_model, rngs=nnx.Rngs(0))

@@ -12,8 +12,6 @@ from conftest import TINY
 from shardtrain import config, hlo, mesh as mesh_lib, sharding, step
 from shardtrain.sharding import shard_bytes
 
-pytestmark = pytest.mark.xdist_group("step")  # under pytest -n: one worker builds `reference` once
-
 SMALL = [*TINY, "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=128",
          "train.global_batch_size=16"]
 
