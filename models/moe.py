@@ -23,19 +23,23 @@ them into a (P, S, D) send buffer, one block of S rows per destination shard; al
 `experts`; on arrival sort the P S rows by local expert and run the SwiGLU as three grouped
 matmuls (`ragged_dot`; padding rows sort last, outside every group); undo the sort, all-to-all
 back, weight and sum each token's k results. Nothing of size tokens x experts x capacity exists.
-Dropless: S = A (a shard may receive every assignment of another), the buffers are P times what
-balanced routing needs -- the price of static shapes (a `ragged_all_to_all` would remove it).
+Every row move is a gather or scatter of distinct rows (`gather_rows`, `scatter_rows`), each the
+other's gradient, so the backward pass builds no scatter-add.
+Dropless: S = N min(El, k) (a token's k experts are distinct, so at most min(El, k) of its
+assignments go to one shard): the buffers are P min(El, k) / k times what balanced routing needs,
+the price of static shapes.
 With `capacity_factor` c each expert takes at most C = ceil(c A / E) assignments from each
 device (the rest are dropped, in token order) and S = El C. Without a mesh (or with one expert
 shard) the same code runs without the all-to-all.
 
 Tensor parallelism inside: each device holds its experts' F / tensor hidden units, so expert
 outputs are partial sums, psum'd over `mlp` once per token at the end. FSDP: the per-device
-expert weights are all-gathered over `embed` inside (their gradients reduce-scattered back).
+expert weights are all-gathered over `expert_embed` inside (their gradients reduce-scattered back).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -45,8 +49,8 @@ from flax import nnx
 from models import dense, param
 
 normal = nnx.initializers.normal
-W_IN = ("experts", "embed", "mlp")
-W_OUT = ("experts", "mlp", "embed")
+W_IN = ("experts", "expert_embed", "mlp")
+W_OUT = ("experts", "mlp", "expert_embed")
 
 
 def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True):
@@ -58,6 +62,26 @@ def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True):
 def grouped(x_rd, w_edf, group_e):
     """Rows x_rd (sorted by group, group_e rows each, padding after) times their group's w_edf."""
     return jax.lax.ragged_dot(x_rd, w_edf, group_e)
+
+
+@jax.custom_vjp
+def gather_rows(x_nd, index_s):
+    """x_nd[index_s] for distinct indices (those >= n give zero rows). Its gradient scatters back
+    (`scatter_rows`) instead of the scatter-add XLA makes of a gather's, whose indices may repeat."""
+    return x_nd.at[index_s].get(mode="fill", fill_value=0, unique_indices=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def scatter_rows(x_sd, index_s, n: int):
+    """A zero (n, ...) array whose row index_s[i] is x_sd[i], for distinct indices (those >= n are
+    dropped); its gradient is `gather_rows`."""
+    return jnp.zeros((n, *x_sd.shape[1:]), x_sd.dtype).at[index_s].set(x_sd, mode="drop", unique_indices=True)
+
+
+gather_rows.defvjp(lambda x_nd, index_s: (gather_rows(x_nd, index_s), (index_s, x_nd.shape[0])),
+                   lambda res, g_sd: (scatter_rows(g_sd, *res), None))
+scatter_rows.defvjp(lambda x_sd, index_s, n: (scatter_rows(x_sd, index_s, n), index_s),
+                    lambda n, index_s, g_nd: (gather_rows(g_nd, index_s), None))
 
 
 def route(logits_bte, k: int, constrain, normalise: bool = True):
@@ -100,9 +124,9 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
     """One device's tokens through their experts (see the module docstring); returns out_btd."""
     b, t, d = x_btd.shape
     k = top_i_btk.shape[-1]
-    w_gate_edf = shard.all_gather(w_gate_edf, "embed", axis=1)
-    w_up_edf = shard.all_gather(w_up_edf, "embed", axis=1)
-    w_down_efd = shard.all_gather(w_down_efd, "embed", axis=2)
+    w_gate_edf = shard.all_gather(w_gate_edf, "expert_embed", axis=1)
+    w_up_edf = shard.all_gather(w_up_edf, "expert_embed", axis=1)
+    w_down_efd = shard.all_gather(w_down_efd, "expert_embed", axis=2)
     p, el = shard.size("experts"), w_gate_edf.shape[0]
     e = p * el
     x_nd = x_btd.reshape(b * t, d)
@@ -110,35 +134,33 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
     expert_a = top_i_btk.reshape(a)
     order_a = jnp.argsort(expert_a, stable=True)  # assignment order: by expert, then token
     expert_s = expert_a[order_a]
-    token_s = order_a // k
     count_e = jnp.zeros((e,), jnp.int32).at[expert_a].add(1)
     rank_s = jnp.arange(a) - (jnp.cumsum(count_e) - count_e)[expert_s]  # position in its expert
     cap = capacity(cfg, a)
     kept_e = count_e if cap is None else jnp.minimum(count_e, cap)
     keep_s = rank_s < (a if cap is None else cap)
-    rows = a if cap is None else min(a, el * cap)  # S
-    # row of an assignment in the block sent to its shard: kept rows of its shard's earlier experts + rank
+    rows = b * t * min(el, k) if cap is None else min(a, el * cap)  # S
+    # slot of an assignment in the (P S) send rows: its shard's block, then the kept rows of the
+    # shard's earlier experts, then its rank; dropped assignments get distinct slots past the end
     kept_pl = kept_e.reshape(p, el)
     offset_e = (jnp.cumsum(kept_pl, axis=1) - kept_pl).reshape(e)
-    shard_s = expert_s // el
-    row_s = jnp.where(keep_s, offset_e[expert_s] + rank_s, rows)  # rows: out of range, dropped
-    send_psd = jnp.zeros((p, rows, d), x_btd.dtype).at[shard_s, row_s].set(x_nd[token_s], mode="drop")
-    send_ps = jnp.full((p, rows), el, jnp.int32).at[shard_s, row_s].set(expert_s % el, mode="drop")
+    slot_s = jnp.where(keep_s, expert_s // el * rows + offset_e[expert_s] + rank_s, p * rows + jnp.arange(a))
+    x_sd = gather_rows(jnp.repeat(x_nd, k, axis=0), order_a)  # each assignment's token
+    send_psd = scatter_rows(x_sd, slot_s, p * rows).reshape(p, rows, d)
+    send_ps = jnp.full((p * rows,), el, jnp.int32).at[slot_s].set(expert_s % el, mode="drop", unique_indices=True)
     recv_psd = shard.all_to_all(send_psd, "experts")
-    recv_ps = shard.all_to_all(send_ps, "experts")
+    recv_ps = shard.all_to_all(send_ps.reshape(p, rows), "experts")
     # grouped SwiGLU over the local experts; padding (id el) sorts last, outside every group
     local_r = recv_ps.reshape(p * rows)
     order_r = jnp.argsort(local_r, stable=True)
     group_l = jnp.zeros((el + 1,), jnp.int32).at[local_r].add(1)[:el]
-    x_rd = recv_psd.reshape(p * rows, d)[order_r]
-    gate_rf = grouped(x_rd, w_gate_edf, group_l)
-    up_rf = grouped(x_rd, w_up_edf, group_l)
+    x_rd = gather_rows(recv_psd.reshape(p * rows, d), order_r)
+    gate_rf, up_rf = grouped(x_rd, w_gate_edf, group_l), grouped(x_rd, w_up_edf, group_l)
     y_rd = grouped(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l)
     y_rd = jnp.where((jnp.arange(p * rows) < group_l.sum())[:, None], y_rd, 0)
-    y_psd = y_rd[jnp.argsort(order_r)].reshape(p, rows, d)
-    back_psd = shard.all_to_all(y_psd, "experts")
-    y_sd = jnp.where(keep_s[:, None], back_psd[shard_s, jnp.minimum(row_s, rows - 1)], 0)
-    y_nkd = y_sd[jnp.argsort(order_a)].reshape(b * t, k, d)
+    back_psd = shard.all_to_all(scatter_rows(y_rd, order_r, p * rows).reshape(p, rows, d), "experts")
+    y_sd = gather_rows(back_psd.reshape(p * rows, d), slot_s)  # dropped assignments: zero
+    y_nkd = scatter_rows(y_sd, order_a, a).reshape(b * t, k, d)
     out_nd = jnp.einsum("nkd,nk->nd", y_nkd.astype(jnp.float32), weight_btk.reshape(b * t, k).astype(jnp.float32))
     return shard.psum(out_nd, "mlp").astype(x_btd.dtype).reshape(b, t, d)
 

@@ -91,7 +91,9 @@ class RulesConfig:
     batch: AxisRule = ("data", "fsdp", "expert")
     """Examples of a batch. Over `expert` too: outside the MoE layers the expert devices are
     data-parallel replicas (as in MaxText and DeepSpeed-MoE), so no device repeats another's work."""
-    embed: AxisRule = "fsdp"
+    embed: AxisRule = ("fsdp", "expert")
+    """The model dimension of weights (ZeRO-3 / FSDP). Over `expert` too: outside the MoE layers the
+    expert devices are data-parallel replicas, so they shard those weights as well (as MaxText does)."""
     mlp: AxisRule = "tensor"
     heads: AxisRule = "tensor"
     kv_heads: AxisRule = "tensor"
@@ -101,6 +103,8 @@ class RulesConfig:
     """Sequence dimension of activations: split over `context`, attention runs as ring attention."""
     experts: AxisRule = "expert"
     """The expert dimension of MoE expert weights."""
+    expert_embed: AxisRule = "fsdp"
+    """The model dimension of MoE expert weights (not `expert`: their expert dimension holds it)."""
     activation_embed: AxisRule = None
     """The model dimension of activations (the residual stream x_btd); null: whole on every device."""
     activation_head_dim: AxisRule = None

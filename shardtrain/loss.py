@@ -21,16 +21,23 @@ def cross_entropy(logits_btv, targets_bt):
     return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
 
 
-def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, chunk: int):
+def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, chunk: int, seq_shards: int = 1):
     """`(cross_entropy(head(x_btd), targets_bt) * weights_bt).sum()` computed `chunk` positions at a
-    time (0 or >= T: one chunk, the plain loss). `head` maps x_bcd -> logits_bcv for any length c."""
-    b, t = targets_bt.shape
-    if chunk <= 0 or chunk >= t:
-        return (cross_entropy(head(x_btd), targets_bt) * weights_bt).sum()
-    n = t // chunk
+    time (0 or >= T: one chunk, the plain loss). `head` maps x_bcd -> logits_bcv for any length c.
 
-    def split(a):  # (B, T, ...) -> (N, B, C, ...)
-        return a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+    With the sequence split over `seq_shards` devices (context parallelism: device s holds positions
+    s T/S .. (s+1) T/S - 1), each chunk takes `chunk` positions from every device's part alike, so no
+    chunk crosses devices (the sum does not depend on the order) and each device computes B x chunk
+    x V logits at a time; `chunk` must divide T / seq_shards (or be >= it: one chunk)."""
+    b, t = targets_bt.shape
+    local = t // seq_shards
+    if chunk <= 0 or chunk >= local:
+        return (cross_entropy(head(x_btd), targets_bt) * weights_bt).sum()
+    n = local // chunk
+
+    def split(a):  # (B, T, ...) -> (N, B, S C, ...): chunk i holds positions s T/S + i C + (0..C-1) of every s
+        a = a.reshape(b, seq_shards, n, chunk, *a.shape[2:])
+        return jnp.moveaxis(a, 2, 0).reshape(n, b, seq_shards * chunk, *a.shape[4:])
 
     @jax.checkpoint  # the backward pass recomputes this chunk's logits instead of saving them
     def chunk_sum(x_bcd, y_bc, w_bc):

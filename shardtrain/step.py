@@ -162,6 +162,11 @@ def context_order(cfg: RunConfig, mesh: Mesh) -> Callable | None:
     if cfg.data.seq_len % (2 * n):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be a multiple of 2 x the {n} ways rules.seq "
                           f"splits it (mesh.context): context parallelism gives each device two chunks")
+    local, chunk = cfg.data.seq_len // n, cfg.train.loss_chunk
+    if 0 < chunk < local and local % chunk:
+        raise ConfigError(f"train.loss_chunk={chunk} must divide the {local} positions of data.seq_len="
+                          f"{cfg.data.seq_len} each of the {n} context-parallel devices holds (or be >= {local}); "
+                          f"e.g. train.loss_chunk={math.gcd(chunk, local)}")
     order_t = jnp.asarray(attention.load_balanced_order(cfg.data.seq_len, n))
     return lambda x_bt: constrain(x_bt[:, order_t], ("batch", "seq"))
 
@@ -227,7 +232,8 @@ def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callab
         docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
         out = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
         x_btd, aux = out if isinstance(out, tuple) else (out, {})
-        total = weighted_cross_entropy_sum(model.head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk)
+        total = weighted_cross_entropy_sum(model.head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk,
+                                           seq_shards=model.constrain.size("seq"))
         return total, weights_bt.sum(), aux
     return loss_sums
 

@@ -33,6 +33,8 @@ def run_cli(capsys, *argv):
      "mesh axes tensor = 8"),
     (["data.path=/nonexistent/*.txt"], "data.path: no files found at '/nonexistent/*.txt'"),
     (["model.name=bert"], "model.name: unknown model 'bert'; known: gpt, llama, mlp"),
+    (["mesh.fsdp=1", "mesh.context=2", "data.seq_len=48", "train.loss_chunk=16"],
+     "train.loss_chunk=16 must divide the 24 positions of data.seq_len=48 each of the 2 context-parallel devices"),
 ])
 def test_bad_input_exits_2_with_the_field(capsys, tmp_path, overrides, message):
     code, err = run_cli(capsys, "train", "meshes/demo.yaml", *TINY, *overrides, f"run_dir={tmp_path}")

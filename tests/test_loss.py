@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from shardtrain import loss, mesh as mesh_lib, sharding
 from shardtrain.config import MeshConfig, RulesConfig
@@ -32,15 +33,18 @@ def test_chunked_equals_plain_loss_and_grads():
     assert loss.weighted_cross_entropy_sum(lambda xc: xc @ w, x, y, weights, chunk=0) / weights.sum() == plain(x, w)
 
 
-def test_chunked_sharded_matches_and_never_holds_full_logits():
-    """On a 2x2x2 mesh the chunked loss matches; its compiled program has no B x T x V array."""
-    mesh = mesh_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+@pytest.mark.parametrize("axes", [dict(data=2, fsdp=2, tensor=2), dict(data=2, context=2, tensor=2)])
+def test_chunked_sharded_matches_and_never_holds_full_logits(axes):
+    """On a 2x2x2 mesh the chunked loss matches; its compiled program has no B x T x V array, and
+    with the sequence split over `context` no chunk crosses devices (no all-to-all, no gather)."""
+    mesh = mesh_lib.make_mesh(MeshConfig(**axes))
     c = sharding.Constrain(RulesConfig(), mesh)
     x, w, y = setup(b=8, t=64, d=16, v=48)
 
     def f(x, w, chunk):
         head = lambda xc: c(xc @ w, ("batch", "seq", "vocab"))  # noqa: E731
-        return loss.weighted_cross_entropy_sum(head, c(x, ("batch", "seq", None)), y, jnp.ones(y.shape), chunk) / y.size
+        return loss.weighted_cross_entropy_sum(head, c(x, ("batch", "seq", None)), y, jnp.ones(y.shape), chunk,
+                                               seq_shards=c.size("seq")) / y.size
 
     with jax.set_mesh(mesh):
         grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1)), static_argnums=2)
@@ -49,5 +53,8 @@ def test_chunked_sharded_matches_and_never_holds_full_logits():
     np.testing.assert_allclose(lc, lp, rtol=1e-6)
     for a, b in zip(gc, gp):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
-    # per device: batch 8 / 4 ways, vocab 48 / 2 ways; the full sequence would be f32[2,64,24]
-    assert "f32[2,64,24]" not in hlo and "f32[2,8,24]" in hlo
+    # per device: batch 8 / 2 or 4 ways, vocab 48 / 2 ways; the full sequence would be f32[b,64,24]
+    b = 8 // (axes["data"] * axes.get("fsdp", 1))
+    assert f"f32[{b},64,24]" not in hlo and f"f32[{b},8,24]" in hlo
+    if "context" in axes:
+        assert "all-to-all" not in hlo and "all-gather" not in hlo

@@ -1,6 +1,8 @@
 """Mixture of experts: routing against a naive dense mixture, expert parallelism against one device,
 and the compiled program's collectives."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from flax import nnx
 
 from models import moe as moe_lib, no_constraint
 from shardtrain import config, hlo, mesh as mesh_lib, step as step_lib
+from shardtrain.sharding import path_str
 
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64", "model.n_layers=2",
          "model.n_experts=4", "model.experts_per_token=2", "data.seq_len=32", "train.global_batch_size=8",
@@ -94,19 +97,26 @@ def assert_same_losses_and_grads(reference, other, batch):
 def test_expert_and_context_parallel_losses_gradients_and_collectives():
     """The Qwen2-MoE router (gated shared expert, raw top-k weights) on expert x context x fsdp:
     losses and gradients = one device's; tokens reach their experts by all-to-all over `expert`
-    (no all-gather of expert weights over it), attention passes key/value blocks by
-    collective-permute over `context` (no all-gather over it). Tensor parallelism inside the
-    experts: test_hf's expert x fsdp x tensor parity; expert=4: the acceptance's losses."""
+    (the only all-gathers over it are of the other weights, FSDP-sharded over fsdp x expert), attention
+    passes key/value blocks by collective-permute over `context` (no all-gather over it). Tensor
+    parallelism inside the experts: test_hf's expert x fsdp x tensor parity; expert=4: the acceptance's losses."""
     batch = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
-    one = program(*QWEN2_MOE, devices=jax.devices()[:1])
+    sized = (*QWEN2_MOE, "model.d_ff=80")  # an expert weight's size differs from every other weight's
+    one = program(*sized, devices=jax.devices()[:1])
     # the one-hot embedding: a gather from the fsdp-sharded table makes XLA all-gather its rows
-    other = program(*QWEN2_MOE, "mesh.expert=2", "mesh.context=2", "mesh.fsdp=2", "model.embed=one_hot")
+    other = program(*sized, "mesh.expert=2", "mesh.context=2", "mesh.fsdp=2", "model.embed=one_hot")
     losses, compiled = assert_same_losses_and_grads(one, other, batch)
     assert float(losses["moe_aux_loss"]) > 0 and float(losses["router_z_loss"]) > 0
     colls = hlo.collectives(compiled.as_text(), dict(other.mesh.shape))
     assert any(c.kind.startswith("all-to-all") and c.axes == ("expert",) for c in colls), colls
     assert any(c.kind.startswith("collective-permute") and c.axes == ("context",) for c in colls), colls
-    assert not [c for c in colls if c.kind.startswith("all-gather") and {"expert", "context"} & set(c.axes)]
+    layer_bytes = {path_str(p): math.prod(x.shape[path_str(p).startswith("blocks/"):]) * x.dtype.itemsize
+                   for p, x in jax.tree_util.tree_leaves_with_path(jax.eval_shape(lambda: one.init(0))["params"])}
+    expert_bytes = {b for p, b in layer_bytes.items() if p.endswith(("_edf", "_efd"))}
+    other_bytes = set(layer_bytes.values()) - expert_bytes
+    assert expert_bytes and not expert_bytes & other_bytes
+    gathered = [c for c in colls if c.kind.startswith("all-gather") and {"expert", "context"} & set(c.axes)]
+    assert gathered and all(c.bytes in other_bytes and "context" not in c.axes for c in gathered), gathered
 
 
 def test_meshless_constrain_runs_the_layer_as_the_model_alone_does():
