@@ -1,10 +1,15 @@
 """8 simulated CPU devices for every test, requested before jax is imported."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SHARDTRAIN_NUM_PROCESSES", "1")  # in-process CLI calls: no cluster detection
+if "PYTEST_XDIST_WORKER" in os.environ:  # make test's workers: a persistent compile cache each (JAX writes
+    # entries in place, so a worker could read one another worker is writing); subprocesses inherit it
+    worker = os.environ["PYTEST_XDIST_WORKER"]
+    os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), f"shardtrain-tests-{worker}")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
