@@ -1,10 +1,15 @@
 """8 simulated CPU devices for every test, requested before jax is imported."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SHARDTRAIN_NUM_PROCESSES", "1")  # in-process CLI calls: no cluster detection
+if "PYTEST_XDIST_WORKER" in os.environ:  # make test's workers: a persistent compile cache each (JAX writes
+    # entries in place, so a worker could read one another worker is writing); subprocesses inherit it
+    worker = os.environ["PYTEST_XDIST_WORKER"]
+    os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), f"shardtrain-tests-{worker}")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -27,3 +32,35 @@ def cfg_factory(tmp_path):
 
 def pytest_collection_modifyitems(items):
     assert jax.device_count() == 8, "tests need 8 simulated devices (XLA_FLAGS set too late?)"
+
+
+# Under `pytest -n N --dist loadgroup` (make test), the tests named here run on one worker, so that what they
+# share (a module-scoped fixture, a functools.cache) is built once, not once per worker. Marks cannot say
+# it: with pytest 9.2, xdist 3.8 ignores `xdist_group` (pytest-xdist#1386), and the controller that
+# schedules sees only node ids. A prefix of a node id -> what its tests share.
+ONE_WORKER = {
+    "tests/test_multihost.py::": "the one- and two-process runs",
+    "tests/test_checkpoint_e2e.py::": "the uninterrupted run",
+    "tests/test_step.py::": "the single-device reference step",
+    "tests/test_plan.py::": "planned()",
+    "tests/test_data.py::": "the tokenizer, corpus, prepared dataset and packed_loss()",
+    "tests/test_pipeline.py::": "mlp_reference",
+    "tests/test_scale.py::": "small",
+    "tests/test_chat.py::": "chat_data",
+    **{f"tests/test_plan_tpu.py::{name}": "planned() (three TPU compiles)" for name in (
+        "test_config_hardware_plans_on_the_tpu_compiler_without_flags",
+        "test_tpu_argument_bytes_are_the_analytical_shard_bytes",
+        "test_tpu_fsdp_gathers_weights_and_reduce_scatters_gradients", "test_tpu_estimate_is_within_the_chip")},
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class OneWorkerGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((p for p in ONE_WORKER if nodeid.startswith(p)), None) or super()._split_scope(nodeid)
+
+    return OneWorkerGroups(config, log)
