@@ -1,7 +1,7 @@
 # make train: create .venv, install, run the default training. make test: the whole suite. make lint: ruff.
 PY ?= python3
-# pytest-xdist workers for make test: the suite is single-threaded (tiny models; TPU compiles), so 2 workers
-# halve its wall time on CI's 2 cores. Tests that share a fixture run on one worker (tests/conftest.py ONE_WORKER).
+# pytest-xdist workers for make test: one pytest process keeps ~1.4 of CI's 2 cores busy; 2 workers measured
+# 81 s faster (15:27 against 16:48). Tests that share a fixture run on one worker (tests/conftest.py ONE_WORKER).
 TEST_WORKERS ?= 2
 VENV := .venv
 STAMP := $(VENV)/.installed

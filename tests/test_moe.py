@@ -10,7 +10,6 @@ from flax import nnx
 
 from models import moe as moe_lib, no_constraint
 from shardtrain import config, hlo, mesh as mesh_lib, step as step_lib
-from shardtrain.sharding import path_str
 
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64", "model.n_layers=2",
          "model.n_experts=4", "model.experts_per_token=2", "data.seq_len=32", "train.global_batch_size=8",
@@ -110,10 +109,12 @@ def test_expert_and_context_parallel_losses_gradients_and_collectives():
     colls = hlo.collectives(compiled.as_text(), dict(other.mesh.shape))
     assert any(c.kind.startswith("all-to-all") and c.axes == ("expert",) for c in colls), colls
     assert any(c.kind.startswith("collective-permute") and c.axes == ("context",) for c in colls), colls
-    layer_bytes = {path_str(p): math.prod(x.shape[path_str(p).startswith("blocks/"):]) * x.dtype.itemsize
-                   for p, x in jax.tree_util.tree_leaves_with_path(jax.eval_shape(lambda: one.init(0))["params"])}
-    expert_bytes = {b for p, b in layer_bytes.items() if p.endswith(("_edf", "_efd"))}
-    other_bytes = set(layer_bytes.values()) - expert_bytes
+    # each weight's bytes per layer, by its logical names: expert weights carry `experts`
+    names = jax.tree.leaves(one.param_names, is_leaf=lambda n: isinstance(n, tuple))
+    layer_bytes = [("experts" in n, math.prod(d for d, a in zip(x.shape, n) if a != "layers") * x.dtype.itemsize)
+                   for n, x in zip(names, jax.tree.leaves(one.abstract_state["params"]))]
+    expert_bytes = {b for is_expert, b in layer_bytes if is_expert}
+    other_bytes = {b for is_expert, b in layer_bytes if not is_expert}
     assert expert_bytes and not expert_bytes & other_bytes
     gathered = [c for c in colls if c.kind.startswith("all-gather") and {"expert", "context"} & set(c.axes)]
     assert gathered and all(c.bytes in other_bytes and "context" not in c.axes for c in gathered), gathered
