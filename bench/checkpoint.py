@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import tensorstore as ts  # noqa: E402
 
-from shardtrain import checkpoint, config, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
+from shardtrain import config, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
+from shardtrain.checkpoint import manager  # noqa: E402
 
 
 def tensorstore_read(step_dir: str, names: list[str]) -> float:
@@ -72,8 +73,8 @@ def main() -> None:
     ckpts = {}
     for name, replica_parallel in variants.items():  # one checkpoint directory per variant
         run_dir = os.path.join(root, name.replace(" ", "_"))
-        ckpts[name] = checkpoint.Checkpointer(
-            dataclasses.replace(prog, cfg=dataclasses.replace(cfg, run_dir=run_dir)), replica_parallel)
+        ckpts[name] = manager.Checkpointer(
+            dataclasses.replace(cfg, run_dir=run_dir), prog.abstract_state, prog.mesh.shape, replica_parallel)
 
     def train_step() -> float:
         nonlocal state

@@ -50,12 +50,13 @@ def cmd_train(args) -> int:
     if not cfg.checkpoint_dir().startswith("gs://"):
         config_lib.prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
     simulated_devices(DEFAULT_CPU_DEVICES)
-    from shardtrain import checkpoint, loop
+    from shardtrain import loop
+    from shardtrain.checkpoint import manager
     distributed.initialize()
     enable_compile_cache(cfg)
     try:
         return loop.train(cfg)
-    except checkpoint.SaveFailed as e:
+    except manager.SaveFailed as e:
         print(f"{distributed.tag()}: error: {e}", file=sys.stderr)
         return 1
 
@@ -95,8 +96,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_ckpt(args) -> int:
-    from shardtrain import checkpoint
-    return checkpoint.list_main(args.run_dir)
+    from shardtrain.checkpoint import listing
+    return listing.list_main(args.run_dir)
 
 
 def cmd_import_hf(args) -> int:

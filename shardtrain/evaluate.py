@@ -58,14 +58,15 @@ def checkpoint_location(path: str) -> tuple[str, int | None]:
 
 def main(cfg: RunConfig, checkpoint_path: str) -> int:
     """`shardtrain eval CONFIG CHECKPOINT`: prints one JSON line {step, eval_loss, eval_perplexity}."""
-    from shardtrain import checkpoint, mesh as mesh_lib, step as step_lib
+    from shardtrain import mesh as mesh_lib, step as step_lib
+    from shardtrain.checkpoint import manager
     directory, step = checkpoint_location(checkpoint_path)
     directory = config_lib.absolute(directory)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, directory=directory))
     data.eval_samples(cfg)  # data errors before compiling
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     evaluator = Evaluator(prog)
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = manager.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)
     try:
         if step is None:
             step = ckpt.latest_step()

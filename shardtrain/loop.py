@@ -10,7 +10,6 @@ from pathlib import Path
 import jax
 
 from shardtrain import (
-    checkpoint,
     config as config_lib,
     data,
     evaluate,
@@ -19,6 +18,7 @@ from shardtrain import (
     step as step_lib,
     weights,
 )
+from shardtrain.checkpoint import listing, manager
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
@@ -73,16 +73,16 @@ def train(cfg: config_lib.RunConfig) -> int:
     """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
     A run whose checkpoints already reach train.steps is complete: it says so and returns 0
     without touching anything. Closes everything it opened on every exit path; raises
-    checkpoint.SaveFailed if a checkpoint save fails; what the checkpoint library logs goes to
+    manager.SaveFailed if a checkpoint save fails; what the checkpoint library logs goes to
     run_dir/shardtrain.log."""
-    committed = checkpoint.committed_steps(cfg)
+    committed = listing.committed_steps(cfg)
     if committed and max(committed) >= cfg.train.steps:
         if jax.process_index() == 0:
             print(f"run {cfg.run_dir} is complete: checkpoint step {max(committed)} reaches train.steps="
                   f"{cfg.train.steps}; nothing to do (raise train.steps to continue it)", flush=True)
         return 0
     with contextlib.ExitStack() as opened:
-        opened.enter_context(checkpoint.library_log(cfg))
+        opened.enter_context(manager.library_log(cfg))
         return _train(cfg, opened)
 
 
@@ -108,7 +108,8 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
     opened.callback(preemption.close)
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
-    ckpt = opened.enter_context(contextlib.closing(checkpoint.Checkpointer(prog)))
+    checkpointer = manager.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)
+    ckpt = opened.enter_context(contextlib.closing(checkpointer))
     restored = ckpt.restore_latest(say=lambda text: is_main and print(text, flush=True))
     if restored is None and init_from is not None:  # resume wins over init_from
         state, start = weights.initial_state(prog, init_from), 0
@@ -119,9 +120,9 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
         state, start = prog.init(cfg.train.seed), 0
     else:
         state, meta = restored
-        start = checkpoint.start_step_from(meta, cfg)
+        start = manager.start_step_from(meta, cfg)
         if is_main:
-            print(f"resuming from checkpoint step {start} (written on mesh {checkpoint.describe_mesh(meta)}; "
+            print(f"resuming from checkpoint step {start} (written on mesh {listing.describe_mesh(meta)}; "
                   f"data position {meta['data_position']} samples)", flush=True)
     if is_main:
         print(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}", flush=True)
@@ -174,7 +175,7 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
             finish_pending()
             ckpt.save(done, state)
             last_done = time.perf_counter()  # the save's blocking part is not a step's time
-        ckpt.check()  # a failed async save raises checkpoint.SaveFailed at the next step boundary
+        ckpt.check()  # a failed async save raises manager.SaveFailed at the next step boundary
     finish_pending()
     if tracing:  # preempted inside the traced steps
         jax.profiler.stop_trace()

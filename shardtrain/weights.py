@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
 
-from shardtrain import checkpoint, config as config_lib, hf
+from shardtrain import config as config_lib, hf
+from shardtrain.checkpoint import diagnose, listing, manager
 
 HF_CONFIG = "hf_config.json"
 """The imported model's original config.json, kept beside the checkpoint for export."""
@@ -69,13 +70,13 @@ def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
     if (p / "state").is_dir():
         step_dir = p
     else:
-        ckpt_dir = Path(checkpoint.checkpoint_dir_of(str(p)))
-        committed = [s for s in checkpoint.scan(str(ckpt_dir)) if s.state == "committed"]
+        ckpt_dir = Path(listing.checkpoint_dir_of(str(p)))
+        committed = [s for s in listing.scan(str(ckpt_dir)) if s.state == "committed"]
         if not committed:
             raise config_lib.ConfigError(f"{what}: '{path}' holds no committed checkpoint and no Hugging Face "
                                          "model (config.json + *.safetensors)")
         step_dir = Path(str(committed[-1].path))
-    meta = checkpoint.read_meta(step_dir)
+    meta = listing.read_meta(step_dir)
     if not meta or "config" not in meta:
         raise config_lib.ConfigError(f"{what}: {step_dir} has no readable meta/metadata "
                                      "(is it a shardtrain checkpoint?)")
@@ -96,8 +97,8 @@ def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     saved = ckptr.metadata(step_dir / "state")
     saved = getattr(saved, "item_metadata", saved)
     saved = getattr(saved, "tree", saved)
-    bad = checkpoint.mismatches(checkpoint.leaf_shapes(saved.get("params", {})),
-                                checkpoint.leaf_shapes(abstract_params))
+    bad = diagnose.mismatches(diagnose.leaf_shapes(saved.get("params", {})),
+                              diagnose.leaf_shapes(abstract_params))
     if bad:
         raise config_lib.ConfigError(f"{step_dir}: the checkpoint's parameters do not fit this model "
                                      f"({len(bad)} paths): " + "; ".join(bad[:8]))
@@ -217,7 +218,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     t0 = time.perf_counter()
     src = hf.Source(hf_dir)  # architecture, shards, shapes: checked before any work
     out = Path(out_dir).resolve()
-    if checkpoint.scan(str(out / "checkpoints")):
+    if listing.scan(str(out / "checkpoints")):
         raise config_lib.ConfigError(f"import-hf: {out} already holds checkpoints; give a new OUT_DIR")
     cfg = config_lib.load(None, ["mesh.fsdp=-1", f"run_dir={out}", f"checkpoint.init_from={out}",
                                  "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", *overrides])
@@ -225,7 +226,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     config_lib.validate(cfg)
     prog = program_for(cfg)
     params = src.params(prog.abstract_state["params"])
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = manager.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)
     ckpt.save(0, {"params": params, "step": jnp.zeros((), jnp.int32)})
     ckpt.wait()
     ckpt.close()

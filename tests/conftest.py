@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(items):
 # schedules sees only node ids. A prefix of a node id -> what its tests share.
 ONE_WORKER = {
     "tests/test_multihost.py::": "the one- and two-process runs",
-    "tests/test_checkpoint_e2e.py::": "the uninterrupted run",
+    "tests/checkpoint/test_checkpoint_e2e.py::": "the uninterrupted run",
     "tests/test_step.py::": "the single-device reference step",
     "tests/test_plan.py::": "planned()",
     "tests/test_data.py::": "the tokenizer, corpus, prepared dataset and packed_loss()",

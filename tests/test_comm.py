@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import TINY
-from shardtrain import checkpoint, chips, comm, hlo, loop, mesh as mesh_lib, optim, plan, sharding, step
+from shardtrain import chips, comm, hlo, loop, mesh as mesh_lib, optim, plan, sharding, step
+from shardtrain.checkpoint import manager
 from shardtrain.config import ConfigError
 
 SMALL = [*TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.name=mlp", "train.steps=4",
@@ -152,7 +153,7 @@ def test_checkpoint_carries_residuals_and_outer_state(cfg_factory):
         state, _ = run(prog, 2)
         extra = "comm" if "int8" in mode else "replicas"
         assert extra in state and jax.tree.leaves(state[extra])
-        ckpt = checkpoint.Checkpointer(prog)
+        ckpt = manager.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)
         ckpt.save(2, state)
         ckpt.wait()
         restored, _ = ckpt.restore(2)

@@ -97,3 +97,27 @@ def test_models_import_nothing_from_shardtrain():
     edges = [f"{m} imports {t}" for m, targets in graph.items() if m.split(".")[0] == "models"
              for t in targets if t.split(".")[0] == "shardtrain"]
     assert edges == []
+
+
+LAYERS = {  # package: the modules it must not import (by prefix)
+    "shardtrain.data": ("shardtrain.loop", "shardtrain.step", "shardtrain.plan", "shardtrain.hf",
+                        "shardtrain.checkpoint"),
+    "shardtrain.hf": ("shardtrain.loop", "shardtrain.plan"),
+    "shardtrain.plan": ("shardtrain.loop",),
+    "shardtrain.checkpoint": ("shardtrain.loop", "shardtrain.step", "shardtrain.plan"),
+    "shardtrain.config": ("shardtrain.",),
+}
+
+CHIP_TABLE = ("shardtrain.chips", "shardtrain.plan.chips")
+"""Figures only (imports nothing from shardtrain): config checks hardware.chip against it."""
+
+
+def test_packages_import_downward_only():
+    """data/, hf/ and plan/ import nothing from the training loop, checkpoint/ nothing from the step
+    builder, config/ nothing from the rest of shardtrain (it is the bottom layer)."""
+    graph = import_graph()
+    assert {"shardtrain.checkpoint.manager", "shardtrain.checkpoint.listing"} <= set(graph)
+    bad = [f"{m} imports {t}" for m, targets in graph.items() for package, banned in LAYERS.items()
+           if m == package or m.startswith(package + ".")
+           for t in targets if t.startswith(banned) and not t.startswith(package) and t not in CHIP_TABLE]
+    assert bad == []

@@ -9,7 +9,7 @@ resolved config. Nothing else is needed to continue exactly:
   pipeline's whole state is one integer, the global sample position. A grain iterator state
   would add nothing and would tie the checkpoint to one process count (grain's state is per
   process); the global position resumes on any number of processes and devices.
-Restoring targets the shardings of the *current* config (`prog.abstract_state`), so a run
+Restoring targets the shardings of the *current* config (the `abstract_state` it is given), so a run
 resumes onto another mesh shape or device count without hand-written restore arguments.
 
 Safety: only committed steps (orbax writes `N.orbax-checkpoint-tmp`, then `commit_success.txt`
@@ -30,61 +30,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
-import json
 import logging
 import os
-import re
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import yaml
 from etils import epath
 
-from shardtrain import config as config_lib, sharding
-from shardtrain.step import Program
+from shardtrain import config as config_lib
+from shardtrain.checkpoint import diagnose, listing
 
-UNUSABLE_DIR = "unusable"
-TMP_MARK = ".orbax-checkpoint-tmp"
-COMMIT_FILE = "commit_success.txt"
 LOG_FILE = "shardtrain.log"
 """In run_dir: what the checkpoint library logs (errors with their tracebacks), not the console."""
 
 
 class SaveFailed(RuntimeError):
     """An async checkpoint save failed; the run must stop rather than believe it has a checkpoint."""
-
-
-def directory(cfg: config_lib.RunConfig) -> str:
-    """The checkpoint directory as a string (a gs:// URL is passed to orbax untouched)."""
-    path = cfg.checkpoint_dir()
-    if path.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
-        raise config_lib.ConfigError(
-            f"checkpoint.directory={path}: gs:// paths need the gcsfs package (pip install gcsfs), "
-            "which orbax uses to list and rename checkpoint directories")
-    return path
-
-
-def leaf_shapes(tree) -> dict[str, tuple]:
-    return {sharding.path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def mismatches(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
-    """Lines naming every path whose shape differs or that exists on one side only."""
-    lines = [f"{k}: checkpoint {saved[k]}, this config {wanted[k]}"
-             for k in sorted(saved.keys() & wanted.keys()) if saved[k] != wanted[k]]
-    lines += [f"{k}: only in the checkpoint" for k in sorted(saved.keys() - wanted.keys())]
-    lines += [f"{k}: missing from the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
-    return lines
-
-
-def config_changes(saved_config: dict, cfg: config_lib.RunConfig, sections=("model", "optimizer")) -> list[str]:
-    now = config_lib.to_dict(cfg)
-    return [f"{s}.{k}: {v!r} -> {now[s].get(k)!r}" for s in sections
-            for k, v in (saved_config.get(s) or {}).items() if now[s].get(k) != v and not isinstance(v, dict)]
 
 
 def everyone(ok: bool) -> bool:
@@ -159,65 +123,18 @@ def lower_writer_priority(niceness: int) -> None:
             pass
 
 
-_TS_READ = re.compile(r'Error reading "(?P<key>[^"]+)" in OCDBT database at \w+ file "(?P<db>[^"]+)": (?P<why>[^;\[]*)')
-_TS_SIZE = re.compile(r"byte range \[(?P<a>\d+), (?P<b>\d+)\) is not valid for value of size (?P<size>\d+)")
-STEP_FILES = ("_CHECKPOINT_METADATA", "meta/metadata", "state/_METADATA", "state/manifest.ocdbt")
-"""Files every committed step holds (orbax 0.12, OCDBT format); the JSON ones are parsed to find damage."""
-
-
-def read_error(e: BaseException, step_dir: epath.Path) -> str:
-    """One line naming the file of a checkpoint step that failed to read, and why. tensorstore's
-    own message wraps the cause in a repr of the whole TensorStore spec; the useful part (array,
-    database, byte range) is the innermost exception of the chain, and the damaged file is found by
-    looking at the step's files (missing, unparsable, or of the size tensorstore complains about)."""
-    chain = [e]
-    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
-        chain.append(nxt)
-    inner = next((x for x in reversed(chain) if _TS_READ.search(str(x))), chain[-1])
-    text = " ".join(str(inner).split()).split(" See full TensorStore details")[0].split(" [tensorstore_spec=")[0]
-    read, size = _TS_READ.search(text), _TS_SIZE.search(text)
-    damaged = damaged_files(step_dir, int(size["size"]) if size else None)
-    if read:
-        detail = f"array {read['key']} does not read back ({(size[0] if size else read['why']).strip()})"
-        if not damaged:
-            damaged = [f"a data file under {read['db'].rstrip('/')}/ocdbt.process_*/d is missing or damaged"]
-    else:
-        detail = f"{type(inner).__name__}: {text[:200]}"
-    return f"{'; '.join(damaged)}: {detail}" if damaged else f"{detail} (in {step_dir})"
-
-
-def damaged_files(step_dir: epath.Path, size: int | None = None) -> list[str]:
-    """The files of a local step directory that are missing, not valid JSON, or truncated (empty,
-    or of exactly `size` bytes: the size tensorstore found a value's byte range beyond)."""
-    root = Path(str(step_dir))
-    if str(step_dir).startswith("gs://") or not root.is_dir():
-        return []
-    found = []
-    for rel in STEP_FILES:
-        f = root / rel
-        if not f.is_file():
-            found.append(f"{f} is missing")
-        elif not rel.endswith(".ocdbt"):
-            try:
-                json.loads(f.read_text())
-            except ValueError:
-                found.append(f"{f} is not valid JSON (truncated?)")
-    for f in sorted(root.glob("state/ocdbt.process_*/d/*")):
-        n = f.stat().st_size
-        if n == 0 or n == size:
-            found.append(f"{f} is truncated ({n} bytes)")
-    return found
-
-
 class Checkpointer:
-    def __init__(self, prog: Program, replica_parallel: bool | None = None):
+    """Saves and restores one run's train state: `abstract_state` (ShapeDtypeStructs with this run's
+    shardings) is what restores target, `mesh_shape` is recorded with each save."""
+
+    def __init__(self, cfg: config_lib.RunConfig, abstract_state, mesh_shape: dict[str, int],
+                 replica_parallel: bool | None = None):
         """replica_parallel: split the writing of replicated arrays among their replicas;
         by default only when there are several processes (see `state_handler`)."""
-        cfg = prog.cfg
-        self.prog, self.cfg = prog, cfg
-        self.dir = directory(cfg)
+        self.cfg, self.abstract_state, self.mesh_shape = cfg, abstract_state, dict(mesh_shape)
+        self.dir = listing.directory(cfg)
         c = cfg.checkpoint
-        self.uncommitted = [s.step for s in scan(self.dir) if s.state == "uncommitted"]
+        self.uncommitted = [s.step for s in listing.scan(self.dir) if s.state == "uncommitted"]
         options = ocp.CheckpointManagerOptions(
             max_to_keep=c.max_to_keep, keep_period=c.keep_period, enable_async_checkpointing=True,
             create=True, cleanup_tmp_directories=True)
@@ -239,10 +156,10 @@ class Checkpointer:
         saved = self.manager.item_metadata(step)["state"]
         if saved is None:
             raise FileNotFoundError("its array metadata (state/_METADATA) is missing")
-        bad = mismatches(leaf_shapes(saved.tree), leaf_shapes(self.prog.abstract_state))
+        bad = diagnose.mismatches(diagnose.leaf_shapes(saved.tree), diagnose.leaf_shapes(self.abstract_state))
         if bad:
-            meta = read_meta(epath.Path(self.dir) / str(step))
-            changes = config_changes(meta.get("config", {}), self.cfg) if meta else []
+            meta = listing.read_meta(epath.Path(self.dir) / str(step))
+            changes = diagnose.config_changes(meta.get("config", {}), self.cfg) if meta else []
             hint = f"\nconfig changes since it was written: {'; '.join(changes)}" if changes else ""
             raise config_lib.ConfigError(
                 f"checkpoint step {step} in {self.dir} does not fit this config's model "
@@ -250,7 +167,7 @@ class Checkpointer:
                 "\nResume with the config it was written with, or use another run_dir / checkpoint.directory.")
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(
-                self.prog.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.prog.abstract_state)),
+                self.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.abstract_state)),
             meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
@@ -268,12 +185,12 @@ class Checkpointer:
             except config_lib.ConfigError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure makes the step unusable
-                error = read_error(e, epath.Path(self.dir) / str(step))
+                error = diagnose.read_error(e, epath.Path(self.dir) / str(step))
             if everyone(error is None):
                 for bad, reason in failed:
                     self.set_aside(bad, reason)
                     say(f"checkpoint step {bad} is unusable ({reason}); moved it to "
-                        f"{self.dir}/{UNUSABLE_DIR}/{bad} and fell back to step {step}")
+                        f"{self.dir}/{listing.UNUSABLE_DIR}/{bad} and fell back to step {step}")
                 return state, meta
             failed.append((step, error or "unreadable on another process"))
         if failed:
@@ -288,9 +205,9 @@ class Checkpointer:
         """Moves step `step` out of orbax's view (never deletes it)."""
         if jax.process_index() == 0:
             root = epath.Path(self.dir)
-            target = root / UNUSABLE_DIR / str(step)
+            target = root / listing.UNUSABLE_DIR / str(step)
             if target.exists():
-                target = root / UNUSABLE_DIR / f"{step}-{time.time_ns()}"
+                target = root / listing.UNUSABLE_DIR / f"{step}-{time.time_ns()}"
             target.parent.mkdir(parents=True, exist_ok=True)
             (root / str(step)).rename(target)
             moved = reason.replace(f"{root / str(step)}/", f"{target}/")  # name the files where they now are
@@ -306,7 +223,7 @@ class Checkpointer:
         meta = {
             "step": step,
             "data_position": step * self.cfg.train.global_batch_size,
-            "mesh": dict(self.prog.mesh.shape),
+            "mesh": self.mesh_shape,
             "devices": jax.device_count(),
             "processes": jax.process_count(),
             "config": config_lib.to_dict(self.cfg),
@@ -364,11 +281,6 @@ def library_log(cfg: config_lib.RunConfig):
         handler.close()
 
 
-def committed_steps(cfg: config_lib.RunConfig) -> list[int]:
-    """The committed step numbers in the run's checkpoint directory (no Orbax manager needed)."""
-    return [s.step for s in scan(directory(cfg)) if s.state == "committed"]
-
-
 def start_step_from(meta: dict, cfg: config_lib.RunConfig) -> int:
     """The step to continue from, checking that the data position maps onto whole steps."""
     position, batch, step = meta["data_position"], cfg.train.global_batch_size, meta["step"]
@@ -378,86 +290,3 @@ def start_step_from(meta: dict, cfg: config_lib.RunConfig) -> int:
             f"{position // max(step, 1)} (data position {position} samples); resume with "
             f"train.global_batch_size={position // max(step, 1)} or use a new run_dir")
     return step
-
-
-# ----------------------------------------------------------------------------- listing
-
-
-class StepInfo:
-    def __init__(self, path: epath.Path, step: int, state: str, note: str = ""):
-        self.path, self.step, self.state, self.note = path, step, state, note
-
-
-def scan(ckpt_dir: str) -> list[StepInfo]:
-    """Every step directory: committed, uncommitted (half-written) or set aside as unusable."""
-    root = epath.Path(ckpt_dir)
-    if not root.exists():
-        return []
-    found = []
-    for p in root.iterdir():
-        name = p.name
-        if name.isdigit():
-            committed = (p / COMMIT_FILE).exists()
-            found.append(StepInfo(p, int(name), "committed" if committed else "uncommitted"))
-        elif TMP_MARK in name and name.split(".")[0].isdigit():
-            found.append(StepInfo(p, int(name.split(".")[0]), "uncommitted"))
-        elif name == UNUSABLE_DIR:
-            for q in p.iterdir():
-                reason = (q / "UNUSABLE.txt").read_text().strip() if (q / "UNUSABLE.txt").exists() else ""
-                found.append(StepInfo(q, int(q.name.split("-")[0]), "unusable", reason))
-    return sorted(found, key=lambda s: (s.step, s.state))
-
-
-def read_meta(step_dir: epath.Path) -> dict | None:
-    try:
-        return json.loads((step_dir / "meta" / "metadata").read_text())
-    except Exception:  # noqa: BLE001 - missing or damaged: shown as unknown
-        return None
-
-
-def disk_bytes(path: epath.Path) -> int:
-    if str(path).startswith("gs://"):
-        import fsspec
-        return int(fsspec.filesystem("gs").du(str(path)))
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def checkpoint_dir_of(run_dir: str) -> str:
-    """run_dir/config.yaml's checkpoint.directory, else run_dir/checkpoints, else run_dir itself."""
-    saved = epath.Path(run_dir) / "config.yaml"
-    if saved.exists():
-        custom = ((yaml.safe_load(saved.read_text()) or {}).get("checkpoint") or {}).get("directory")
-        if custom:
-            return custom
-    if (epath.Path(run_dir) / "checkpoints").exists():
-        return str(epath.Path(run_dir) / "checkpoints")
-    return run_dir
-
-
-def describe_mesh(meta: dict | None) -> str:
-    if not meta:
-        return "?"
-    axes = ",".join(f"{a}={n}" for a, n in meta["mesh"].items() if n > 1) or "1 device"
-    return f"{axes} ({meta['devices']} devices, {meta['processes']} process{'es' * (meta['processes'] > 1)})"
-
-
-def list_main(run_dir: str) -> int:
-    """`shardtrain ckpt RUN_DIR`: one line per checkpoint step."""
-    if not epath.Path(run_dir).exists():
-        raise config_lib.ConfigError(f"run directory '{run_dir}' does not exist")
-    if not epath.Path(run_dir).is_dir():
-        raise config_lib.ConfigError(f"'{run_dir}' is a file; pass the run directory (the run_dir of a training, "
-                                     f"e.g. runs/demo) or its checkpoint directory")
-    ckpt_dir = checkpoint_dir_of(run_dir)
-    steps = scan(ckpt_dir)
-    if not steps:
-        print(f"no checkpoints in {ckpt_dir}")
-        return 0
-    print(f"checkpoints in {ckpt_dir}")
-    print(f"{'step':>8}  {'state':<11}  {'size':>10}  mesh written from")
-    for s in steps:
-        meta = read_meta(s.path) if s.state == "committed" else None
-        mesh = describe_mesh(meta) if s.state == "committed" else \
-            "half-written: the process stopped during the save" if s.state == "uncommitted" else s.note
-        print(f"{s.step:>8}  {s.state:<11}  {disk_bytes(s.path) / 1e6:>7.2f} MB  {mesh}")
-    return 0

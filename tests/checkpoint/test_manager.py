@@ -14,7 +14,8 @@ import pytest
 from orbax.checkpoint._src.path import atomicity
 
 import conftest
-from shardtrain import checkpoint, config, loop, mesh as mesh_lib, metrics, step as step_lib
+from shardtrain import config, loop, mesh as mesh_lib, step as step_lib
+from shardtrain.checkpoint import diagnose, listing, manager
 
 TINY = [*conftest.TINY, "model.name=mlp", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
@@ -24,8 +25,12 @@ def program(cfg_factory, *overrides):
     return step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
 
 
+def checkpointer(prog, **kw) -> manager.Checkpointer:
+    return manager.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape, **kw)
+
+
 def save_steps(prog, steps):
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     state = prog.init(0)
     for s in steps:
         ckpt.save(s, state)
@@ -38,7 +43,7 @@ def test_checkpoint_of_another_model_lists_mismatching_paths(cfg_factory):
     save_steps(program(cfg_factory), [2])
     other = program(cfg_factory, "model.d_model=64", "model.n_layers=3")
     with pytest.raises(config.ConfigError) as e:
-        checkpoint.Checkpointer(other).restore_latest(say=lambda _: None)
+        checkpointer(other).restore_latest(say=lambda _: None)
     msg = str(e.value)
     assert "checkpoint step 2" in msg and "does not fit" in msg
     assert "params/blocks/w_in_df: checkpoint (2, 32, 64), this config (3, 64, 64)" in msg
@@ -49,8 +54,8 @@ def test_checkpoint_of_another_model_lists_mismatching_paths(cfg_factory):
 def test_checkpoint_with_other_parameter_names_lists_them(cfg_factory):
     save_steps(program(cfg_factory), [2])
     with pytest.raises(config.ConfigError) as e:
-        checkpoint.Checkpointer(program(cfg_factory, "model.name=gpt", "model.n_heads=2",
-                                        "model.n_kv_heads=2")).restore_latest(say=lambda _: None)
+        checkpointer(program(cfg_factory, "model.name=gpt", "model.n_heads=2",
+                             "model.n_kv_heads=2")).restore_latest(say=lambda _: None)
     assert "params/blocks/w_in_df: only in the checkpoint" in str(e.value)
     assert "params/blocks/attn" in str(e.value) and "missing from the checkpoint" in str(e.value)
 
@@ -64,7 +69,7 @@ def test_truncated_and_deleted_files_fall_back_to_newest_good_step(cfg_factory, 
     os.remove(f"{root}/4/state/_METADATA")
     os.makedirs(f"{root}/8.orbax-checkpoint-tmp/state")  # a save killed half-way
 
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     said = []
     _, meta = ckpt.restore_latest(say=said.append)
     assert meta["step"] == 2 and meta["data_position"] == 2 * 8
@@ -82,9 +87,9 @@ def test_truncated_and_deleted_files_fall_back_to_newest_good_step(cfg_factory, 
     ckpt.wait()
     assert ckpt.manager.all_steps() == [2, 4, 6]
     assert sorted(os.listdir(f"{root}/unusable")) == ["4", "6"]
-    assert checkpoint.Checkpointer(prog).restore_latest(say=said.append)[1]["step"] == 6
+    assert checkpointer(prog).restore_latest(say=said.append)[1]["step"] == 6
 
-    assert checkpoint.list_main(prog.cfg.run_dir) == 0
+    assert listing.list_main(prog.cfg.run_dir) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["2", "committed"], ["4", "committed"], ["4", "unusable"],
                                      ["6", "committed"], ["6", "unusable"]]
@@ -98,7 +103,7 @@ def test_no_readable_checkpoint_stops_without_moving_anything(cfg_factory):
     os.remove(f"{root}/2/meta/metadata")
     with pytest.raises(config.ConfigError, match="(?s)none of the committed checkpoints .* step 2: "
                                                  "[^\\n]*/2/meta/metadata is missing.*Nothing was moved"):
-        checkpoint.Checkpointer(prog).restore_latest(say=lambda _: None)
+        checkpointer(prog).restore_latest(say=lambda _: None)
     assert sorted(os.listdir(root)) == ["2"]
 
 
@@ -108,7 +113,7 @@ def test_newest_corrupt_step_falls_back_and_good_steps_survive_later_saves(cfg_f
     root = prog.cfg.checkpoint_dir()
     for f in glob.glob(f"{root}/4/state/ocdbt.process_0/d/*"):
         os.remove(f)
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     said = []
     _, meta = ckpt.restore_latest(say=said.append)
     assert meta["step"] == 2 and len(said) == 1 and "step 4 is unusable" in said[0]
@@ -120,14 +125,14 @@ def test_newest_corrupt_step_falls_back_and_good_steps_survive_later_saves(cfg_f
 def test_failed_async_save_stops_the_run_and_keeps_good_steps(cfg_factory, monkeypatch):
     prog = program(cfg_factory, "checkpoint.max_to_keep=1")
     state = save_steps(prog, [1])
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
 
     async def disk_full(self):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
     ckpt.save(2, state)  # async: returns before the failure
-    with pytest.raises(checkpoint.SaveFailed) as e:
+    with pytest.raises(manager.SaveFailed) as e:
         ckpt.wait()
     assert "saving checkpoint step 2" in str(e.value) and "No space left on device" in str(e.value)
     assert "newest committed checkpoint is step 1" in str(e.value)
@@ -142,7 +147,7 @@ def test_failed_async_save_stops_the_training_loop(cfg_factory, monkeypatch, cap
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
-    with pytest.raises(checkpoint.SaveFailed) as e:
+    with pytest.raises(manager.SaveFailed) as e:
         loop.train(cfg)
     message = str(e.value)
     assert "\n" not in message and "saving checkpoint step 2" in message and "No space left" in message
@@ -152,14 +157,14 @@ def test_failed_async_save_stops_the_training_loop(cfg_factory, monkeypatch, cap
     assert max(logged) <= 4  # stopped at the next step boundary or save, not at the end
     console = capfd.readouterr()
     assert "Traceback" not in console.err + console.out and "done: step" not in console.out
-    log = Path(cfg.run_dir, checkpoint.LOG_FILE)
+    log = Path(cfg.run_dir, manager.LOG_FILE)
     assert str(log) in message and "Traceback" in log.read_text() and "No space left" in log.read_text()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread niceness is Linux's")
 def test_async_save_writes_at_low_cpu_priority(cfg_factory):
     prog = program(cfg_factory, "checkpoint.writer_niceness=19")
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     state = prog.init(0)
     for step in (1, 2):  # threads tensorstore starts late in one save are lowered in the next
         ckpt.save(step, state)
@@ -170,7 +175,7 @@ def test_async_save_writes_at_low_cpu_priority(cfg_factory):
     niceness = {}
     for task in Path("/proc/self/task").iterdir():
         try:  # a thread may end between the listing and these reads
-            if (task / "comm").read_text().strip() == checkpoint.WRITER_THREAD:
+            if (task / "comm").read_text().strip() == manager.WRITER_THREAD:
                 niceness[task.name] = os.getpriority(os.PRIO_PROCESS, int(task.name))
         except OSError:
             pass
@@ -181,7 +186,7 @@ def test_retention_every_steps_keep_period_and_final_checkpoint(cfg_factory):
     cfg = cfg_factory(*TINY, "train.steps=10", "checkpoint.every_steps=3", "checkpoint.max_to_keep=2",
                       "checkpoint.keep_period=6")
     assert loop.train(cfg) == 0
-    steps = {s.step: s.state for s in checkpoint.scan(cfg.checkpoint_dir())}
+    steps = {s.step: s.state for s in listing.scan(cfg.checkpoint_dir())}
     assert steps == {6: "committed", 9: "committed", 10: "committed"}  # 3 dropped; 6 kept by keep_period
 
 
@@ -194,15 +199,15 @@ def test_gs_directory_is_passed_to_orbax_untouched(cfg_factory, monkeypatch):
 
     prog = program(cfg_factory, "checkpoint.directory=gs://bucket/runs/x", "checkpoint.max_to_keep=5",
                    "checkpoint.keep_period=100")
-    monkeypatch.setattr(checkpoint, "scan", lambda d: [])
+    monkeypatch.setattr(listing, "scan", lambda d: [])
     monkeypatch.setattr(ocp, "CheckpointManager", Manager)
-    monkeypatch.setattr(checkpoint.importlib.util, "find_spec", lambda name: name == "gcsfs")
-    checkpoint.Checkpointer(prog)
+    monkeypatch.setattr(listing.importlib.util, "find_spec", lambda name: name == "gcsfs")
+    checkpointer(prog)
     assert seen["directory"] == "gs://bucket/runs/x"
     assert seen["options"].max_to_keep == 5 and seen["options"].keep_period == 100
-    monkeypatch.setattr(checkpoint.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(listing.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(config.ConfigError, match="checkpoint.directory=gs://bucket/runs/x: .*gcsfs"):
-        checkpoint.Checkpointer(prog)
+        checkpointer(prog)
     with pytest.raises(config.ConfigError, match="run_dir=gs://b/r: must be a local directory"):
         config.load(None, ["run_dir=gs://b/r"])
 
@@ -211,49 +216,15 @@ def test_batch_size_change_is_a_config_error(cfg_factory):
     cfg = cfg_factory(*TINY, "train.global_batch_size=16")
     with pytest.raises(config.ConfigError,
                        match="train.global_batch_size=16, but checkpoint step 3 was written with 8"):
-        checkpoint.start_step_from({"step": 3, "data_position": 24}, cfg)
-    assert checkpoint.start_step_from({"step": 3, "data_position": 48}, cfg) == 3
-
-
-def test_resumed_metrics_keep_each_step_once(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 7)] + [{"event": "resume", "step": 4}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "lo')  # cut by kill -9
-    metrics.drop_rows_after(path, 4)
-    kept = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r.get("step") for r in kept] == [1, 2, 3, 4, 4] and kept[-1]["event"] == "resume"
-
-
-def test_list_shows_uncommitted_steps_and_the_custom_directory(tmp_path, capsys):
-    run, ckpts = tmp_path / "run", tmp_path / "elsewhere"
-    run.mkdir()
-    (run / "config.yaml").write_text(f"checkpoint:\n  directory: {ckpts}\n")
-    (ckpts / "4" / "meta").mkdir(parents=True)
-    (ckpts / "4" / "commit_success.txt").write_text("ok")
-    (ckpts / "4" / "meta" / "metadata").write_text(json.dumps(
-        {"mesh": {"data": 1, "pipeline": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}, "devices": 8,
-         "processes": 2}))
-    (ckpts / "6.orbax-checkpoint-tmp").mkdir()
-    (ckpts / "6.orbax-checkpoint-tmp" / "x").write_bytes(b"0" * 500_000)
-    assert checkpoint.list_main(str(run)) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"checkpoints in {ckpts}"
-    assert out[2].split() == ["4", "committed", "0.00", "MB", "fsdp=8", "(8", "devices,", "2", "processes)"]
-    assert out[3].split()[:4] == ["6", "uncommitted", "0.50", "MB"] and "half-written" in out[3]
-
-
-def test_list_of_missing_run_dir_is_a_config_error(tmp_path):
-    with pytest.raises(config.ConfigError, match="does not exist"):
-        checkpoint.list_main(str(tmp_path / "nope"))
-    (tmp_path / "run").mkdir()
-    assert checkpoint.list_main(str(tmp_path / "run")) == 0
+        manager.start_step_from({"step": 3, "data_position": 24}, cfg)
+    assert manager.start_step_from({"step": 3, "data_position": 48}, cfg) == 3
 
 
 def test_restored_state_is_bitwise_the_saved_one_on_another_mesh(cfg_factory):
     prog = program(cfg_factory)
     state = save_steps(prog, [3])
     other = program(cfg_factory, "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1")
-    restored, meta = checkpoint.Checkpointer(other).restore_latest(say=lambda _: None)
+    restored, meta = checkpointer(other).restore_latest(say=lambda _: None)
     assert meta["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     for a, b, s in zip(jax.tree.leaves(state), jax.tree.leaves(restored), jax.tree.leaves(other.state_shardings)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -271,14 +242,14 @@ def test_damaged_step_messages_name_the_file(cfg_factory):
     os.truncate(root / "3/state/_METADATA", 100)
     for f in glob.glob(f"{root}/4/state/ocdbt.process_0/d/*"):
         os.remove(f)
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     expected = {1: f"{big} is truncated (", 2: f"{root}/2/state/manifest.ocdbt is missing",
                 3: f"{root}/3/state/_METADATA is not valid JSON",
                 4: f"a data file under {root}/4/state/ocdbt.process_*/d is missing or damaged: array "}
     for step, message in expected.items():
         with pytest.raises(Exception) as e:
             ckpt.restore(step)
-        reason = checkpoint.read_error(e.value, root / str(step))
+        reason = diagnose.read_error(e.value, root / str(step))
         assert reason.startswith(message), reason
         assert "pybind11" not in reason and "TensorStore({" not in reason and "\n" not in reason
     ckpt.close()

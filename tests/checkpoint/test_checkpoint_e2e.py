@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import TINY
-from shardtrain import checkpoint
+from shardtrain.checkpoint import listing
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def saved(run_dir, step) -> tuple[list[np.ndarray], dict]:
 
 
 def newest_committed(run_dir) -> int | None:
-    steps = [s.step for s in checkpoint.scan(str(Path(run_dir) / "checkpoints")) if s.state == "committed"]
+    steps = [s.step for s in listing.scan(str(Path(run_dir) / "checkpoints")) if s.state == "committed"]
     return max(steps, default=None)
 
 
@@ -146,7 +146,7 @@ def test_kill9_at_random_moments_then_final_params_equal_uninterrupted(straight,
         elif wait_for(lambda: (newest_committed(tmp_path) or 0) > (resume_from or 0), p):  # made progress  # noqa: B023
             ckpt_dir = tmp_path / "checkpoints"
             if mode == "mid-write":
-                wait_for(lambda: any(checkpoint.TMP_MARK in n for n in os.listdir(ckpt_dir)), p)  # noqa: B023
+                wait_for(lambda: any(listing.TMP_MARK in n for n in os.listdir(ckpt_dir)), p)  # noqa: B023
             else:
                 time.sleep(rng.uniform(0.0, 0.3))
         p.kill()

@@ -1,0 +1,118 @@
+"""What is on disk: the checkpoint directory's step folders (committed, half-written, set aside as
+unusable), their metadata, and `shardtrain ckpt RUN_DIR`, which lists them. Reads files only:
+no Orbax manager, no model."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+
+import yaml
+from etils import epath
+
+from shardtrain import config as config_lib
+
+UNUSABLE_DIR = "unusable"
+TMP_MARK = ".orbax-checkpoint-tmp"
+COMMIT_FILE = "commit_success.txt"
+
+
+def directory(cfg: config_lib.RunConfig) -> str:
+    """The checkpoint directory as a string (a gs:// URL is passed to orbax untouched)."""
+    path = cfg.checkpoint_dir()
+    if path.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+        raise config_lib.ConfigError(
+            f"checkpoint.directory={path}: gs:// paths need the gcsfs package (pip install gcsfs), "
+            "which orbax uses to list and rename checkpoint directories")
+    return path
+
+
+def committed_steps(cfg: config_lib.RunConfig) -> list[int]:
+    """The committed step numbers in the run's checkpoint directory (no Orbax manager needed)."""
+    return [s.step for s in scan(directory(cfg)) if s.state == "committed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    path: epath.Path
+    step: int
+    state: str
+    """committed, uncommitted (half-written) or unusable (set aside)."""
+    note: str = ""
+
+
+def scan(ckpt_dir: str) -> list[StepInfo]:
+    """Every step directory: committed, uncommitted (half-written) or set aside as unusable."""
+    root = epath.Path(ckpt_dir)
+    if not root.exists():
+        return []
+    found = []
+    for p in root.iterdir():
+        name = p.name
+        if name.isdigit():
+            committed = (p / COMMIT_FILE).exists()
+            found.append(StepInfo(p, int(name), "committed" if committed else "uncommitted"))
+        elif TMP_MARK in name and name.split(".")[0].isdigit():
+            found.append(StepInfo(p, int(name.split(".")[0]), "uncommitted"))
+        elif name == UNUSABLE_DIR:
+            for q in p.iterdir():
+                reason = (q / "UNUSABLE.txt").read_text().strip() if (q / "UNUSABLE.txt").exists() else ""
+                found.append(StepInfo(q, int(q.name.split("-")[0]), "unusable", reason))
+    return sorted(found, key=lambda s: (s.step, s.state))
+
+
+def read_meta(step_dir: epath.Path) -> dict | None:
+    try:
+        return json.loads((step_dir / "meta" / "metadata").read_text())
+    except Exception:  # noqa: BLE001 - missing or damaged: shown as unknown
+        return None
+
+
+def disk_bytes(path: epath.Path) -> int:
+    if str(path).startswith("gs://"):
+        import fsspec
+        return int(fsspec.filesystem("gs").du(str(path)))
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def checkpoint_dir_of(run_dir: str) -> str:
+    """run_dir/config.yaml's checkpoint.directory, else run_dir/checkpoints, else run_dir itself."""
+    saved = epath.Path(run_dir) / "config.yaml"
+    if saved.exists():
+        custom = ((yaml.safe_load(saved.read_text()) or {}).get("checkpoint") or {}).get("directory")
+        if custom:
+            return custom
+    if (epath.Path(run_dir) / "checkpoints").exists():
+        return str(epath.Path(run_dir) / "checkpoints")
+    return run_dir
+
+
+def describe_mesh(meta: dict | None) -> str:
+    if not meta:
+        return "?"
+    axes = ",".join(f"{a}={n}" for a, n in meta["mesh"].items() if n > 1) or "1 device"
+    return f"{axes} ({meta['devices']} devices, {meta['processes']} process{'es' * (meta['processes'] > 1)})"
+
+
+def list_main(run_dir: str) -> int:
+    """`shardtrain ckpt RUN_DIR`: one line per checkpoint step."""
+    if not epath.Path(run_dir).exists():
+        raise config_lib.ConfigError(f"run directory '{run_dir}' does not exist")
+    if not epath.Path(run_dir).is_dir():
+        raise config_lib.ConfigError(f"'{run_dir}' is a file; pass the run directory (the run_dir of a training, "
+                                     f"e.g. runs/demo) or its checkpoint directory")
+    ckpt_dir = checkpoint_dir_of(run_dir)
+    steps = scan(ckpt_dir)
+    if not steps:
+        print(f"no checkpoints in {ckpt_dir}")
+        return 0
+    print(f"checkpoints in {ckpt_dir}")
+    print(f"{'step':>8}  {'state':<11}  {'size':>10}  mesh written from")
+    for s in steps:
+        meta = read_meta(s.path) if s.state == "committed" else None
+        mesh = describe_mesh(meta) if s.state == "committed" else \
+            "half-written: the process stopped during the save" if s.state == "uncommitted" else s.note
+        print(f"{s.step:>8}  {s.state:<11}  {disk_bytes(s.path) / 1e6:>7.2f} MB  {mesh}")
+    return 0

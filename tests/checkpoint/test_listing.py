@@ -1,0 +1,33 @@
+"""`shardtrain ckpt RUN_DIR`: the step folders on disk, committed or half-written, and where they are."""
+
+import json
+
+import pytest
+
+from shardtrain import config
+from shardtrain.checkpoint import listing
+
+
+def test_list_shows_uncommitted_steps_and_the_custom_directory(tmp_path, capsys):
+    run, ckpts = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"checkpoint:\n  directory: {ckpts}\n")
+    (ckpts / "4" / "meta").mkdir(parents=True)
+    (ckpts / "4" / "commit_success.txt").write_text("ok")
+    (ckpts / "4" / "meta" / "metadata").write_text(json.dumps(
+        {"mesh": {"data": 1, "pipeline": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}, "devices": 8,
+         "processes": 2}))
+    (ckpts / "6.orbax-checkpoint-tmp").mkdir()
+    (ckpts / "6.orbax-checkpoint-tmp" / "x").write_bytes(b"0" * 500_000)
+    assert listing.list_main(str(run)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"checkpoints in {ckpts}"
+    assert out[2].split() == ["4", "committed", "0.00", "MB", "fsdp=8", "(8", "devices,", "2", "processes)"]
+    assert out[3].split()[:4] == ["6", "uncommitted", "0.50", "MB"] and "half-written" in out[3]
+
+
+def test_list_of_missing_run_dir_is_a_config_error(tmp_path):
+    with pytest.raises(config.ConfigError, match="does not exist"):
+        listing.list_main(str(tmp_path / "nope"))
+    (tmp_path / "run").mkdir()
+    assert listing.list_main(str(tmp_path / "run")) == 0
