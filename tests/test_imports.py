@@ -97,3 +97,13 @@ def test_models_import_nothing_from_shardtrain():
     edges = [f"{m} imports {t}" for m, targets in graph.items() if m.split(".")[0] == "models"
              for t in targets if t.split(".")[0] == "shardtrain"]
     assert edges == []
+
+
+def test_data_imports_nothing_but_config():
+    """shardtrain/data/ sits below the step builder and the training loop: it imports only
+    shardtrain.config (a module or a package) and itself."""
+    graph = import_graph()
+    assert "shardtrain.data.loader" in graph and "shardtrain.config" in graph["shardtrain.data.loader"]
+    edges = [f"{m} imports {t}" for m, targets in graph.items() if m.startswith("shardtrain.data")
+             for t in targets if t.split(".")[:2] not in (["shardtrain", "config"], ["shardtrain", "data"])]
+    assert edges == []
