@@ -48,7 +48,6 @@ def prepared(tok_path, corpus, tmp_path_factory):
     return out
 
 
-
 def cfg_for(cfg_factory, ds, *extra):
     return cfg_factory("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.source=tokens", f"data.path={ds}",
                        "model.vocab_size=320", "data.seq_len=15",
@@ -61,7 +60,6 @@ def split_docs(ds: Path, split: str) -> list[list[int]]:
     s = token_shards.TokenSplit(str(ds), split)
     tokens, doc_ids, _ = s.read(0, len(s), 1 << 20)
     return [t.tolist() for t in np.split(tokens, np.flatnonzero(np.diff(doc_ids)) + 1)]
-
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:

@@ -31,7 +31,6 @@ def test_prepare_round_trip_gives_each_documents_tokens_and_eos(prepared, tok_pa
     assert tok.decode(want["train"][0][:-1]) in DOCS
 
 
-
 def test_prepare_resumes_and_runs_in_parallel(tok_path, corpus, tmp_path):
     inputs, opts = [str(corpus / "a.jsonl"), str(corpus / "b.parquet")], prepare.Options(str(tok_path), str(tmp_path))
     first = prepare.prepare(inputs, opts, workers=2, say=lambda _: None)
@@ -73,7 +72,6 @@ def test_large_files_split_into_parts_give_the_same_bytes(tok_path, tmp_path):
     with pytest.raises(ConfigError, match=f"bad.jsonl:{len(jsonl.read_text().splitlines()) + 1}: no string field"):
         prepare.prepare([str(bad)], prepare.Options(str(tok_path), str(tmp_path / "bad")), workers=1,
                         say=lambda _: None, part_bytes=700)
-
 
 
 @pytest.mark.parametrize("content, message", [
