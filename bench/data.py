@@ -7,7 +7,7 @@ Corpus: the Python standard library's *.py files as JSONL documents (no download
 times over; tokenizer: a 8192-token byte-level BPE trained on it here. RAYON_NUM_THREADS=1 pins
 the tokenizer to one core, so both rates are per core. Loader: a prepared directory of 64M
 tokens (2048-token documents' worth of random ids), read as one host of 16 reads its rows:
-global batch 512 x 2048, 32 rows per host, through data.samples + data.batches (grain, shuffled).
+global batch 512 x 2048, 32 rows per host, through loader.samples + loader.batches (grain, shuffled).
 """
 
 import os
@@ -24,7 +24,8 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from shardtrain import config, data, prepare, tokenize  # noqa: E402
+from shardtrain import config  # noqa: E402
+from shardtrain.data import loader, prepare, tokenize  # noqa: E402
 
 V5P_PEAK = 459e12  # bf16 FLOP/s per chip (shardtrain/chips.py)
 
@@ -84,7 +85,7 @@ def bench_loader(tmp: Path, steps: int, url: bool = False) -> dict:
     cfg = config.load(None, ["data.source=tokens", f"data.path={where}", "data.seq_len=2048",
                              "model.vocab_size=32768", "train.global_batch_size=512", f"run_dir={tmp / 'run'}"])
     rows = slice(0, 512 // 16)
-    it = data.batches(data.samples(cfg), 512, rows, 0, steps + 1)
+    it = loader.batches(loader.samples(cfg), 512, rows, 0, steps + 1)
     next(it)  # thread start, first batch
     t = time.perf_counter()
     for _ in range(steps):

@@ -80,7 +80,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from shardtrain import prepare
+    from shardtrain.data import prepare
     opts = prepare.Options(tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,
                            eval_fraction=args.eval_fraction, eos=args.eos, chat=args.chat)
     prepare.prepare(args.inputs, opts, workers=args.workers)

@@ -16,15 +16,16 @@ from pathlib import Path
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardtrain import config as config_lib, data
+from shardtrain import config as config_lib
 from shardtrain.config import ConfigError, RunConfig
+from shardtrain.data import loader
 from shardtrain.step import Program
 
 
 class Evaluator:
     def __init__(self, prog: Program):
         self.prog, cfg = prog, prog.cfg
-        self.dataset = data.eval_samples(cfg)  # a missing eval split fails before anything is compiled
+        self.dataset = loader.eval_samples(cfg)  # a missing eval split fails before anything is compiled
         replicated = NamedSharding(prog.mesh, P())
         self.loss_sums = jax.jit(prog.loss_sums, out_shardings=(replicated, replicated),
                                  in_shardings=(prog.state_shardings["params"], prog.batch_sharding))
@@ -32,8 +33,8 @@ class Evaluator:
     def __call__(self, params) -> dict[str, float]:
         cfg = self.prog.cfg
         total = count = 0.0
-        batches = data.batches(self.dataset, cfg.train.global_batch_size, self.prog.local_rows(), 0,
-                               cfg.train.eval_steps, data.read_threads(cfg))
+        batches = loader.batches(self.dataset, cfg.train.global_batch_size, self.prog.local_rows(), 0,
+                                 cfg.train.eval_steps, loader.read_threads(cfg))
         sums = [self.loss_sums(params, self.prog.device_batch(batch)) for _, batch in batches]
         for loss_sum, n in sums:
             total, count = total + float(loss_sum), count + float(n)
@@ -63,7 +64,7 @@ def main(cfg: RunConfig, checkpoint_path: str) -> int:
     directory, step = checkpoint_location(checkpoint_path)
     directory = config_lib.absolute(directory)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, directory=directory))
-    data.eval_samples(cfg)  # data errors before compiling
+    loader.eval_samples(cfg)  # data errors before compiling
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     evaluator = Evaluator(prog)
     ckpt = manager.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)

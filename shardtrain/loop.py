@@ -11,7 +11,6 @@ import jax
 
 from shardtrain import (
     config as config_lib,
-    data,
     evaluate,
     mesh as mesh_lib,
     pipeline,
@@ -19,6 +18,7 @@ from shardtrain import (
     weights,
 )
 from shardtrain.checkpoint import listing, manager
+from shardtrain.data import loader, token_shards
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
@@ -87,7 +87,8 @@ def train(cfg: config_lib.RunConfig) -> int:
 
 
 def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
-    dataset = data.samples(cfg)  # a missing data path fails before anything is compiled
+    sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
+    dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     mesh = mesh_lib.make_mesh(cfg.mesh)
     prog = step_lib.build(cfg, mesh)
@@ -100,9 +101,8 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
         print(f"shardtrain: {cfg.model.name} {n_params / 1e6:.2f}M params on {jax.device_count()} "
               f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; compiling...", flush=True)
         print(mode_line(cfg, mesh), flush=True)
-        if data.packed(cfg):
-            from shardtrain import tokens_source
-            print(tokens_source.describe(cfg), flush=True)
+        if loader.packed(cfg):
+            print(token_shards.describe(sources), flush=True)
 
     preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
     opened.callback(preemption.close)
@@ -145,8 +145,8 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
             last_done, pending = now, None
 
     tracing = False  # steps profile[0]..profile[1] (1-based) run inside a jax.profiler trace
-    for i, local_batch in data.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps,
-                                       data.read_threads(cfg)):
+    for i, local_batch in loader.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps,
+                                         loader.read_threads(cfg)):
         if profile and not tracing and profile[0] <= i + 1 <= profile[1]:
             jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
             tracing = True
@@ -186,5 +186,5 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
 
 def bare_loop_batches(prog: step_lib.Program, steps: int) -> list[jax.Array]:
     """The first `steps` global batches as device arrays (for benchmarks that bypass the loop)."""
-    it = data.batches(data.samples(prog.cfg), prog.cfg.train.global_batch_size, prog.local_rows(), 0, steps)
+    it = loader.batches(loader.samples(prog.cfg), prog.cfg.train.global_batch_size, prog.local_rows(), 0, steps)
     return [prog.device_batch(b) for _, b in it]

@@ -24,9 +24,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from models import attention
-from shardtrain import comm, data, optim, pipeline, sharding
+from shardtrain import comm, optim, pipeline, sharding
 from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
+from shardtrain.data import loader
 from shardtrain.loss import weighted_cross_entropy_sum
 
 
@@ -59,13 +60,13 @@ class Program:
         t = self.cfg.train
         x = jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
                                  sharding=self.batch_sharding)
-        return {k: x for k in PACKED_FIELDS} if data.packed(self.cfg) else x
+        return {k: x for k in PACKED_FIELDS} if loader.packed(self.cfg) else x
 
     def batch_shape(self) -> tuple[int, int]:
         return (self.cfg.train.global_batch_size, self.cfg.data.seq_len + 1)
 
     def device_batch(self, local_batch):
-        """This process's rows (numpy, as data.batches yields them) -> the global device batch."""
+        """This process's rows (numpy, as loader.batches yields them) -> the global device batch."""
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
             self.batch_sharding, x, self.batch_shape()), local_batch)
 

@@ -16,6 +16,8 @@ import pytest  # noqa: E402
 
 from shardtrain import config  # noqa: E402
 
+pytest_plugins = ["prepared_data"]  # the prepared token data's fixtures (tests/prepared_data.py), for any test
+
 TINY = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=16", "train.global_batch_size=8",
         "data.source=synthetic"]
 """Overrides of a model and run small enough for any test (`from conftest import TINY`); a test adds
@@ -43,10 +45,10 @@ ONE_WORKER = {
     "tests/checkpoint/test_checkpoint_e2e.py::": "the uninterrupted run",
     "tests/test_step.py::": "the single-device reference step",
     "tests/test_plan.py::": "planned()",
-    "tests/test_data.py::": "the tokenizer, corpus, prepared dataset and packed_loss()",
+    "tests/test_step_packed.py::": "packed_loss()",
     "tests/test_pipeline.py::": "mlp_reference",
     "tests/test_scale.py::": "small",
-    "tests/test_chat.py::": "chat_data",
+    "tests/data/test_chat.py::": "chat_data",
     **{f"tests/test_plan_tpu.py::{name}": "planned() (three TPU compiles)" for name in (
         "test_config_hardware_plans_on_the_tpu_compiler_without_flags",
         "test_tpu_argument_bytes_are_the_analytical_shard_bytes",

@@ -185,7 +185,8 @@ def check_statically(c: Command, tmp_path) -> None:
     ConfigError where the CLI would exit 2."""
     from jax.sharding import AbstractMesh, AxisType
 
-    from shardtrain import cli, config, data, mesh as mesh_lib, step
+    from shardtrain import cli, config, mesh as mesh_lib, step
+    from shardtrain.data import loader
 
     argv = c.argv
     if argv[0] == "launch/local.sh":  # N processes of one `shardtrain train CONFIG ...` on 8 devices
@@ -202,7 +203,7 @@ def check_statically(c: Command, tmp_path) -> None:
         return
     cfg = config.load(args.config, [*args.overrides, f"run_dir={tmp_path / 'run'}"])
     if args.command == "train":
-        data.samples(cfg)
+        loader.samples(cfg)
     if args.command == "plan" and args.search:
         return  # the search itself lists what does not build
     n = devices_of(c)

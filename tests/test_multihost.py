@@ -196,7 +196,8 @@ def test_killed_two_process_run_on_tokens_resumes_mid_epoch_in_one(tmp_path, cap
     """A 2-process run streaming prepared tokens is SIGKILLed (both processes) mid-epoch; one
     process resumes from its last checkpoint, and every step after it has the loss the killed run
     logged for that step: the same batches (sample index -> window), on another process count."""
-    from shardtrain import cli, prepare
+    from shardtrain import cli
+    from shardtrain.data import prepare
     rng = random.Random(0)
     words = ["".join(rng.choices("abcdefgh", k=rng.randint(1, 7))) for _ in range(200)]
     (tmp_path / "docs.jsonl").write_text("".join(

@@ -10,8 +10,8 @@ import sentencepiece as spm
 import tiktoken
 from tiktoken import _educational as tiktoken_train
 
-from shardtrain import prepare, tokenize, tokens_source
 from shardtrain.config import ConfigError
+from shardtrain.data import prepare, token_shards, tokenize
 
 RNG = np.random.default_rng(0)
 WORDS = ["".join(RNG.choice(list("abcdefghijklmnopqrstuvwxyzäé"), RNG.integers(1, 9))) for _ in range(300)]
@@ -41,7 +41,7 @@ def test_sentencepiece_model_encodes_like_sentencepiece_through_prepare(sentence
     out = tmp_path / "ds"
     prepare.prepare([str(tmp_path / "in.jsonl")], prepare.Options(str(tmp_path / "vocab"), str(out)),
                     say=lambda _: None)
-    split = tokens_source.TokenSplit(str(out), "train")
+    split = token_shards.TokenSplit(str(out), "train")
     tokens, doc_ids, _ = split.read(0, len(split), tok.vocab_size)
     got = [t.tolist() for t in np.split(tokens, np.flatnonzero(np.diff(doc_ids)) + 1)]
     assert got == [sp.encode(d) + [sp.eos_id()] for d in docs]

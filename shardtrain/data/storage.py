@@ -1,4 +1,4 @@
-"""Reading a prepared directory by byte range, on local disk or behind a URL.
+"""Reading a prepared directory by byte range, on local disk or behind a URL; finding input files.
 
 `open_store(location)` gives one interface for both:
   a local path     os.pread on file descriptors kept open (no memory map: what a process holds
@@ -12,11 +12,15 @@ Keys are paths relative to the location ("manifest.json", "train/00000.bin").
 Binary searches over a document index would cost one request per probe on GCS, so an element
 of an index is read with the 32 KiB block around it, and the most recent blocks are kept (a few
 MB in all): the first probes of every search hit the same cached blocks.
+
+`find_files(spec)` is how the text source and `prepare` both turn a file, directory or glob
+into the files it names.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import io
 import os
 import threading
@@ -25,13 +29,24 @@ from pathlib import Path
 import numpy as np
 
 INDEX_BLOCK = 1 << 15
-"""Bytes of an index read at once for single elements (4096 int64 entries)."""
+"""Bytes of an index read at once for single elements (4096 int64 entries): RangeArray's default."""
 OPEN_THREADS = 32
 """Shards checked at once when a split opens from a URL (a few requests each)."""
 
 
 def is_url(location: str) -> bool:
     return "://" in location
+
+
+def find_files(spec: str) -> list[str]:
+    """The files a local path names: itself, the files under a directory, or those a glob
+    matches (`**` recursive), in a stable order; empty when there are none."""
+    path = Path(spec)
+    if path.is_dir():
+        return sorted(str(f) for f in path.rglob("*") if f.is_file())
+    if path.is_file():
+        return [spec]
+    return sorted(f for f in glob.glob(spec, recursive=True) if Path(f).is_file())
 
 
 class LocalStore:
@@ -152,31 +167,33 @@ def open_store(location: str) -> Store:
 
 
 @functools.lru_cache(maxsize=256)
-def _index_block(store: Store, key: str, offset: int, block: int, length: int, dtype: str) -> np.ndarray:
-    first = block * INDEX_BLOCK // np.dtype(dtype).itemsize
-    count = min(INDEX_BLOCK // np.dtype(dtype).itemsize, length - first)
+def _read_block(store: Store, key: str, offset: int, block: int, block_bytes: int, length: int,
+                dtype: str) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
+    first = block * block_bytes // itemsize
+    count = min(block_bytes // itemsize, length - first)
     return np.frombuffer(store.read(key, offset + first * itemsize, offset + (first + count) * itemsize), dtype)
 
 
 class RangeArray:
     """A flat array stored from byte `offset` of `key`: slices are read as one range each; single
     elements (binary searches over a document index), and with `cached` slices inside one block,
-    come from cached blocks."""
+    come from cached blocks of `block_bytes`."""
 
-    def __init__(self, store: Store, key: str, dtype, offset: int, length: int, cached: bool = False):
+    def __init__(self, store: Store, key: str, dtype, offset: int, length: int, cached: bool = False,
+                 block_bytes: int = INDEX_BLOCK):
         self.store, self.key, self.dtype, self.offset, self.length = store, key, np.dtype(dtype), offset, length
-        self.cached = cached
+        self.cached, self.block_bytes = cached, block_bytes
 
     def __len__(self):
         return self.length
 
     def _block(self, i: int) -> np.ndarray:
-        return _index_block(self.store, self.key, self.offset, i, self.length, self.dtype.str)
+        return _read_block(self.store, self.key, self.offset, i, self.block_bytes, self.length, self.dtype.str)
 
     def __getitem__(self, index):
         size = self.dtype.itemsize
-        per_block = INDEX_BLOCK // size
+        per_block = self.block_bytes // size
         if isinstance(index, slice):
             start, stop, _ = index.indices(self.length)
             stop = max(start, stop)
@@ -189,8 +206,9 @@ class RangeArray:
         return int(self._block(index // per_block)[index % per_block])
 
 
-def npy_array(store: Store, key: str) -> RangeArray | None:
-    """The 1-D array of a .npy value, read by range; None when the key is missing."""
+def npy_array(store: Store, key: str, block_bytes: int = INDEX_BLOCK) -> RangeArray | None:
+    """The 1-D array of a .npy value, read by range (single elements through cached blocks of
+    `block_bytes`); None when the key is missing."""
     try:
         head = store.read(key, 0, 12)
     except FileNotFoundError:
@@ -202,4 +220,4 @@ def npy_array(store: Store, key: str) -> RangeArray | None:
     np.lib.format.read_magic(f)
     read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
     shape, _, dtype = read_header(f)
-    return RangeArray(store, key, dtype, start, shape[0], cached=True)
+    return RangeArray(store, key, dtype, start, shape[0], cached=True, block_bytes=block_bytes)

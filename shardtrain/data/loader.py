@@ -7,14 +7,13 @@ batch its devices hold, so resuming on any number of processes continues at the 
 Sources (data.source):
   text       byte tokens of text files; the last 1/20 of the windows are the `eval` split.
   synthetic  seeded arithmetic sequences; `eval` draws them from another seed.
-  tokens     shards written by `shardtrain prepare` (tokens_source.py), read by range: documents
+  tokens     token files written by `shardtrain prepare` (token_shards.py), read by range: documents
              (each ending in EOS) concatenated and cut into windows of seq_len + 1 tokens. A
              sample is then a dict {tokens, segment_ids, positions, loss_mask} (see PackedWindows).
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import sysconfig
 from pathlib import Path
@@ -23,21 +22,17 @@ import grain
 import numpy as np
 
 from shardtrain.config import ConfigError, DataConfig, RunConfig
+from shardtrain.data import storage, token_shards
 
 EVAL_TEXT_WINDOWS = 20
 """The bytes `text` source holds out its last 1/EVAL_TEXT_WINDOWS windows as the eval split."""
 
 
-def text_files(path: str | None) -> list[str]:
-    if path is None:
-        return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    if Path(path).is_dir():
-        return sorted(str(p) for p in Path(path).rglob("*") if p.is_file())
-    return sorted(glob.glob(path, recursive=True))
-
-
 def load_corpus(cfg: DataConfig) -> np.ndarray:
-    files = text_files(cfg.path)
+    """The bytes of data.path's files joined by newlines (without a path: the standard library's
+    *.py files, the demo's corpus)."""
+    stdlib = os.path.join(sysconfig.get_paths()["stdlib"], "*.py")
+    files = storage.find_files(stdlib if cfg.path is None else cfg.path)
     if not files:
         raise ConfigError(f"data.path: no files found at '{cfg.path}'; give a directory or a glob of text files")
     corpus = np.frombuffer(b"\n".join(Path(f).read_bytes() for f in files), dtype=np.uint8)
@@ -91,29 +86,30 @@ def source(cfg: RunConfig, split: str = "train"):
         return TextWindows(load_corpus(cfg.data), window, split)
     if cfg.data.source == "synthetic":
         return SyntheticSequences(cfg.train.seed + (split == "eval"), window, cfg.model.vocab_size)
-    from shardtrain import tokens_source
-    return tokens_source.windows(cfg, split)
+    return token_shards.windows(cfg, split)
 
 
-def samples(cfg: RunConfig) -> grain.MapDataset:
-    """The infinite training dataset, sample i a function of (seed, i). A mixture: each dataset
-    shuffled and repeated on its own, then interleaved by weight (grain's deterministic mix)."""
+def sources(cfg: RunConfig, split: str = "train") -> list:
+    """The source of `split`, or a mixture's, one per entry (each dataset opened once)."""
     if cfg.data.mixture:
-        from shardtrain import tokens_source
-        parts = [grain.MapDataset.source(tokens_source.windows(cfg, "train", entry.path))
-                 .shuffle(seed=cfg.train.seed + k).repeat() for k, entry in enumerate(cfg.data.mixture)]
-        return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture])
-    return grain.MapDataset.source(source(cfg)).shuffle(seed=cfg.train.seed).repeat()
+        return [token_shards.windows(cfg, split, entry.path) for entry in cfg.data.mixture]
+    return [source(cfg, split)]
+
+
+def samples(cfg: RunConfig, opened: list | None = None) -> grain.MapDataset:
+    """The infinite training dataset, sample i a function of (seed, i), from `opened` (default:
+    `sources(cfg)`). A mixture: each dataset shuffled and repeated on its own, then interleaved
+    by weight (grain's deterministic mix)."""
+    parts = [grain.MapDataset.source(s).shuffle(seed=cfg.train.seed + k).repeat()
+             for k, s in enumerate(opened or sources(cfg))]
+    return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture]) if cfg.data.mixture else parts[0]
 
 
 def eval_samples(cfg: RunConfig) -> grain.MapDataset:
     """The held-out windows in order (repeated if a pass needs more than the split holds); a
     mixture's eval splits interleaved by the same weights."""
-    if cfg.data.mixture:
-        from shardtrain import tokens_source
-        parts = [grain.MapDataset.source(tokens_source.windows(cfg, "eval", e.path)).repeat() for e in cfg.data.mixture]
-        return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture])
-    return grain.MapDataset.source(source(cfg, "eval")).repeat()
+    parts = [grain.MapDataset.source(s).repeat() for s in sources(cfg, "eval")]
+    return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture]) if cfg.data.mixture else parts[0]
 
 
 def stack(items: list):
@@ -131,7 +127,7 @@ tens of ms, so one thread would read a host's 32 rows in about a second."""
 def read_threads(cfg: RunConfig) -> int:
     """Threads that read batches ahead: REMOTE_READ_THREADS when data comes from a URL, else 1."""
     paths = [e.path for e in cfg.data.mixture] or [cfg.data.path or ""]
-    return REMOTE_READ_THREADS if cfg.data.source == "tokens" and any("://" in p for p in paths) else 1
+    return REMOTE_READ_THREADS if cfg.data.source == "tokens" and any(map(storage.is_url, paths)) else 1
 
 
 def batches(ds: grain.MapDataset, batch_size: int, rows: slice, start_step: int, end_step: int, threads: int = 1):

@@ -1,7 +1,9 @@
-"""The `tokens` data source: shards written by `shardtrain prepare`, read by byte range.
+"""The `tokens` data source: token shards written by `shardtrain prepare`, read by byte range.
 
-A split's shards are one concatenated token stream; window i is tokens [i W, (i+1) W) with
-W = seq_len + 1, crossing document and shard boundaries (packing). Each window comes with
+A prepared directory holds manifest.json and, per split, its shards (TokenFile: the tokens, a
+document index, the loss mask of chat data). A split's shards are one concatenated token stream;
+window i is tokens [i W, (i+1) W) with W = seq_len + 1, crossing document and shard boundaries
+(packing). Each window comes with
   segment_ids  the document of each token, counted from 0 at the window's first token
   positions    each token's offset inside its document (0 at a document's first token; a
                document that began in an earlier window continues its count)
@@ -27,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from shardtrain import storage
 from shardtrain.config import ConfigError, RunConfig
+from shardtrain.data import storage
 
 
 def read_manifest(directory: str) -> dict:
@@ -56,7 +58,10 @@ def check_vocab(cfg: RunConfig, manifest: dict, directory: str) -> None:
                           f"({directory}/manifest.json); set model.vocab_size={n} or more")
 
 
-class Shard:
+class TokenFile:
+    """One token file of a split (a shard of the manifest), its size (or checksum) checked
+    against the manifest: `tokens`, `mask` (None but for chat data) and the document `offsets`."""
+
     def __init__(self, store: storage.Store, entry: dict, dtype: np.dtype, verify: str):
         key, stem = entry["file"], entry["file"].rsplit("/", 1)[-1].removesuffix(".bin")
         self.name = store.name(key)
@@ -92,10 +97,11 @@ class Shard:
 
 
 class TokenSplit:
-    """One split (train / eval) of a prepared directory as one stream of tokens."""
+    """One split (train / eval) of a prepared directory as one stream of tokens. `manifest`: the
+    directory's, when the caller has read it already."""
 
-    def __init__(self, directory: str, split: str, verify: str = "size"):
-        manifest = read_manifest(directory)
+    def __init__(self, directory: str, split: str, verify: str = "size", manifest: dict | None = None):
+        manifest = manifest or read_manifest(directory)
         self.directory, self.manifest = directory, manifest
         if not manifest["splits"].get(split, {}).get("shards"):
             hint = ("prepare it with --eval-fraction F (e.g. 0.01) or set train.eval_every=0" if split == "eval"
@@ -105,20 +111,27 @@ class TokenSplit:
         store, entries = storage.open_store(directory), manifest["splits"][split]["shards"]
         # each shard's checks are a few requests from a URL: many shards open concurrently
         with ThreadPoolExecutor(storage.OPEN_THREADS if storage.is_url(directory) else 1) as pool:
-            self.shards = list(pool.map(lambda e: Shard(store, e, dtype, verify), entries))
-        self.starts = np.cumsum([0] + [len(s.tokens) for s in self.shards]).tolist()
-        self.doc_base = np.cumsum([0] + [len(s.offsets) - 1 for s in self.shards]).tolist()
+            self.shards = list(pool.map(lambda e: TokenFile(store, e, dtype, verify), entries))
+        self.starts = np.cumsum([0] + [len(f.tokens) for f in self.shards]).tolist()
+        self.doc_base = np.cumsum([0] + [len(f.offsets) - 1 for f in self.shards]).tolist()
 
     def __len__(self):
         return self.starts[-1]
 
+    def pieces(self, start: int, stop: int):
+        """(shard number k, its TokenFile, [lo, hi) in that shard) for each shard that stream
+        tokens [start, stop) cross, in order."""
+        k = bisect.bisect_right(self.starts, start) - 1
+        while start < stop:
+            lo, hi = start - self.starts[k], min(stop, self.starts[k + 1]) - self.starts[k]
+            yield k, self.shards[k], lo, hi
+            start += hi - lo
+            k += 1
+
     def read(self, start: int, stop: int, vocab_size: int):
         """(tokens, document ids, positions in document) of stream tokens [start, stop), int64."""
         parts = []
-        k = bisect.bisect_right(self.starts, start) - 1
-        while start < stop:
-            shard = self.shards[k]
-            lo, hi = start - self.starts[k], min(stop, self.starts[k + 1]) - self.starts[k]
+        for k, shard, lo, hi in self.pieces(start, stop):
             tokens = shard.tokens[lo:hi]
             if tokens.max() >= vocab_size:
                 raise ConfigError(f"{shard.name}: token id {int(tokens.max())} >= model.vocab_size={vocab_size}; "
@@ -129,21 +142,12 @@ class TokenSplit:
             at = np.arange(lo, hi)
             doc = np.searchsorted(bounds, at, side="right") - 1
             parts.append((tokens.astype(np.int64), self.doc_base[k] + d0 + doc, at - bounds[doc]))
-            start += hi - lo
-            k += 1
         return tuple(np.concatenate(p) for p in zip(*parts))
 
     def read_mask(self, start: int, stop: int) -> np.ndarray:
         """The loss mask (uint8) of stream tokens [start, stop): the shards' masks, ones where none."""
-        parts = []
-        k = bisect.bisect_right(self.starts, start) - 1
-        while start < stop:
-            shard = self.shards[k]
-            lo, hi = start - self.starts[k], min(stop, self.starts[k + 1]) - self.starts[k]
-            parts.append(np.ones(hi - lo, np.uint8) if shard.mask is None else shard.mask[lo:hi])
-            start += hi - lo
-            k += 1
-        return np.concatenate(parts)
+        return np.concatenate([np.ones(hi - lo, np.uint8) if shard.mask is None else shard.mask[lo:hi]
+                               for _, shard, lo, hi in self.pieces(start, stop)])
 
 
 class PackedWindows:
@@ -169,20 +173,19 @@ class PackedWindows:
 def windows(cfg: RunConfig, split: str, directory: str | None = None) -> PackedWindows:
     """Packed windows of `split` of data.path (or `directory`, a mixture entry)."""
     directory = directory or cfg.data.path
-    check_vocab(cfg, read_manifest(directory), directory)
-    token_split = TokenSplit(directory, split, cfg.data.verify)
+    manifest = read_manifest(directory)
+    check_vocab(cfg, manifest, directory)
+    token_split = TokenSplit(directory, split, cfg.data.verify, manifest)
     return PackedWindows(token_split, cfg.data.seq_len + 1, cfg.model.vocab_size)
 
 
-def describe(cfg: RunConfig) -> str:
-    """One console line: the dataset(s), tokenizer vocabulary and padding of model.vocab_size."""
-    dirs = [e.path for e in cfg.data.mixture] or [cfg.data.path]
+def describe(opened: list[PackedWindows]) -> str:
+    """One console line: the opened dataset(s), tokenizer vocabulary and padding of model.vocab_size."""
     lines = []
-    for d in dirs:
-        m = read_manifest(d)
-        pad = (f", model.vocab_size {cfg.model.vocab_size} pads it by {cfg.model.vocab_size - m['vocab_size']}"
-               if cfg.model.vocab_size > m["vocab_size"] else "")
+    for w in opened:
+        m, vocab = w.split.manifest, w.vocab_size
+        pad = f", model.vocab_size {vocab} pads it by {vocab - m['vocab_size']}" if vocab > m["vocab_size"] else ""
         chat = ", loss on the assistant's tokens (chat)" if m.get("loss_mask") else ""
-        lines.append(f"{d}: {m['splits']['train']['tokens']} train tokens, tokenizer vocab {m['vocab_size']}"
-                     f"{pad}{chat}")
+        lines.append(f"{w.split.directory}: {m['splits']['train']['tokens']} train tokens, tokenizer vocab "
+                     f"{m['vocab_size']}{pad}{chat}")
     return "data: " + "; ".join(lines)

@@ -1,4 +1,4 @@
-"""`shardtrain prepare`: text, JSONL or Parquet -> token shards that training memory-maps.
+"""`shardtrain prepare`: text, JSONL or Parquet -> token shards that training reads by range.
 
 Layout of the output directory DIR:
   manifest.json              tokenizer, vocab_size, eos_id, dtype, per split its shards with token and
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import hashlib
 import json
 import multiprocessing
@@ -41,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shardtrain import chat, tokenize
 from shardtrain.config import ConfigError
+from shardtrain.data import chat, storage, tokenize
 
 FORMAT = "shardtrain-tokens/1"
 SPLITS = ("train", "eval")
@@ -67,13 +66,7 @@ def input_files(inputs: list[str]) -> list[str]:
     """Files named, found under directories, or matched by globs, in a stable order."""
     files: list[str] = []
     for spec in inputs:
-        p = Path(spec)
-        if p.is_dir():
-            found = sorted(str(f) for f in p.rglob("*") if f.is_file())
-        elif p.is_file():
-            found = [spec]
-        else:
-            found = sorted(f for f in glob.glob(spec, recursive=True) if Path(f).is_file())
+        found = storage.find_files(spec)
         if not found:
             raise ConfigError(f"prepare: no input files at '{spec}'; give text, .jsonl or .parquet files, "
                               "directories or globs")
@@ -324,27 +317,60 @@ def _count_documents(todo: list[Part], parts: list[Part], pool) -> list[Part]:
     return done
 
 
+def tokenizer_fingerprint(opts: Options, files: list[str]) -> str:
+    """What a part's marker records of the tokenizer (and chat template): a changed one redoes
+    every part. A bad tokenizer, --eos or --chat input fails here, before any work."""
+    tok = tokenize.load(opts.tokenizer, opts.eos)
+    sha = hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() if tok.name != "bytes" else "bytes"
+    if not opts.chat:
+        return sha
+    if not isinstance(tok, tokenize.HfTokenizer):  # chat.encode reads the tokenizer's character offsets
+        raise ConfigError(f"--chat needs a Hugging Face tokenizer directory with a chat template, not "
+                          f"`{opts.tokenizer}`")
+    template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent)
+    for f in files:
+        if kind(f) != "jsonl":
+            raise ConfigError(f"{f}: --chat reads JSONL files (a {{'messages': [...]}} per line), not this")
+    return sha + hashlib.sha256(template.source.encode()).hexdigest()
+
+
+def write_manifest(inputs: list[str], opts: Options, parts: list[Part], markers: dict) -> dict:
+    """manifest.json (and tokenizer.json) of opts.out from the parts' markers, once every part is
+    done; refuses a dataset without training documents, or an eval fraction that held out none."""
+    out, tok = Path(opts.out), tokenize.load(opts.tokenizer, opts.eos)
+    if tok.name != "bytes":
+        tok.save(out / "tokenizer.json")
+    manifest = {"format": FORMAT, "tokenizer": "bytes" if tok.name == "bytes" else "tokenizer.json",
+                "loss_mask": opts.chat, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                "dtype": token_dtype(tok.vocab_size).name,
+                "options": {k: v for k, v in asdict(opts).items() if k != "out"}, "splits": {}}
+    for split in SPLITS:
+        shards = [{"file": f"{split}/{p.name}.bin", "index": f"{split}/{p.name}.idx.npy",
+                   **markers[p.file, p.part][split], **({"mask": f"{split}/{p.name}.mask.bin"} if opts.chat else {})}
+                  for p in parts if markers[p.file, p.part][split]["tokens"]]
+        manifest["splits"][split] = {"tokens": sum(s["tokens"] for s in shards),
+                                     "documents": sum(s["documents"] for s in shards), "shards": shards}
+    train, held = manifest["splits"]["train"], manifest["splits"]["eval"]
+    if not train["documents"]:
+        raise ConfigError(f"prepare: no training documents in {', '.join(inputs)} (all empty or held out)")
+    if opts.eval_fraction > 0 and not held["documents"]:
+        raise ConfigError(f"--eval-fraction {opts.eval_fraction} held out none of the {train['documents']} "
+                          "documents; raise it or add documents")
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
 def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=print,
             part_bytes: int = PART_BYTES) -> dict:
     """Tokenizes `inputs` into opts.out; returns the manifest. Skips units an earlier run finished."""
     from tqdm import tqdm
     if not 0 <= opts.eval_fraction < 1:
         raise ConfigError(f"--eval-fraction: must be in [0, 1), got {opts.eval_fraction}")
-    if "://" in opts.out:
+    if storage.is_url(opts.out):
         raise ConfigError(f"--out {opts.out}: prepare writes to local disk; prepare into a local DIR, copy it up "
                           f"(gcloud storage cp -r DIR {opts.out}) and train with data.path={opts.out}")
     files = input_files(inputs)
-    tok = tokenize.load(opts.tokenizer, opts.eos)  # a bad tokenizer or --eos fails here, before any work
-    tok_sha = hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() if tok.name != "bytes" else "bytes"
-    if opts.chat:  # no template, or an input that is not JSONL: an error before any work
-        if not isinstance(tok, tokenize.HfTokenizer):  # chat.encode reads the tokenizer's character offsets
-            raise ConfigError(f"--chat needs a Hugging Face tokenizer directory with a chat template, not "
-                              f"`{opts.tokenizer}`")
-        template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent)
-        tok_sha += hashlib.sha256(template.source.encode()).hexdigest()
-        for f in files:
-            if kind(f) != "jsonl":
-                raise ConfigError(f"{f}: --chat reads JSONL files (a {{'messages': [...]}} per line), not this")
+    tok_sha = tokenizer_fingerprint(opts, files)
     out = Path(opts.out)
     for d in (*SPLITS, "parts"):
         (out / d).mkdir(parents=True, exist_ok=True)
@@ -369,28 +395,10 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
                 markers[part.file, part.part] = marker
                 bar.update(size)
     seconds = time.perf_counter() - t0
-
-    if tok.name != "bytes":
-        tok.save(out / "tokenizer.json")
-    manifest = {"format": FORMAT, "tokenizer": "bytes" if tok.name == "bytes" else "tokenizer.json",
-                "loss_mask": opts.chat, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                "dtype": token_dtype(tok.vocab_size).name,
-                "options": {k: v for k, v in asdict(opts).items() if k != "out"}, "splits": {}}
-    for split in SPLITS:
-        shards = [{"file": f"{split}/{p.name}.bin", "index": f"{split}/{p.name}.idx.npy",
-                   **markers[p.file, p.part][split], **({"mask": f"{split}/{p.name}.mask.bin"} if opts.chat else {})}
-                  for p in parts if markers[p.file, p.part][split]["tokens"]]
-        manifest["splits"][split] = {"tokens": sum(s["tokens"] for s in shards),
-                                     "documents": sum(s["documents"] for s in shards), "shards": shards}
+    manifest = write_manifest(inputs, opts, parts, markers)
     train, held = manifest["splits"]["train"], manifest["splits"]["eval"]
-    if not train["documents"]:
-        raise ConfigError(f"prepare: no training documents in {', '.join(inputs)} (all empty or held out)")
-    if opts.eval_fraction > 0 and not held["documents"]:
-        raise ConfigError(f"--eval-fraction {opts.eval_fraction} held out none of the {train['documents']} "
-                          "documents; raise it or add documents")
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     new_tokens = sum(markers[p.file, p.part][s]["tokens"] for p in todo for s in SPLITS)
     say(f"prepared {train['documents'] + held['documents']} documents from {len(files)} files into {out}: "
-        f"{train['tokens']} train / {held['tokens']} eval tokens, vocab {tok.vocab_size}, "
+        f"{train['tokens']} train / {held['tokens']} eval tokens, vocab {manifest['vocab_size']}, "
         f"{new_tokens / max(seconds, 1e-9):.0f} tokens/s on {workers} process(es)")
     return manifest

@@ -15,8 +15,9 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, processors, trainers
 
 import models
-from shardtrain import chat, cli, generate, mesh as mesh_lib, prepare, step, tokenize, tokens_source
+from shardtrain import cli, generate, mesh as mesh_lib, step
 from shardtrain.config import ConfigError
+from shardtrain.data import chat, prepare, token_shards, tokenize
 
 SPECIAL = ["<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 PLAIN = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
@@ -90,14 +91,14 @@ def test_mask_marks_exactly_the_assistant_tokens(chat_data, kind):
     tok = tokenize.load(str(tok_dir))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["loss_mask"] is True
-    split = tokens_source.TokenSplit(str(out), "train")
+    split = token_shards.TokenSplit(str(out), "train")
     tokens, docs, _ = split.read(0, len(split), 1 << 20)
     mask = split.read_mask(0, len(split))
     want = [expected(tok, c) for c in CONVERSATIONS]
     assert tokens.tolist() == sum((w[0] for w in want), [])
     assert mask.tolist() == sum((w[1] for w in want), [])
     assert mask.sum() > 0 and (mask == 0).sum() > mask.sum() / 2
-    window = tokens_source.PackedWindows(split, 16, 320)[1]
+    window = token_shards.PackedWindows(split, 16, 320)[1]
     assert window["loss_mask"].tolist() == mask[16:32].tolist()
 
 
@@ -164,7 +165,7 @@ def test_renders_as_transformers_apply_chat_template(chat_data):
     """The text (ChatML, the Qwen2 fixture's template) and the {% generation %} mask are what
     transformers' apply_chat_template makes of the same conversations."""
     transformers = pytest.importorskip("transformers")
-    fixture = Path(__file__).parent / "fixtures"
+    fixture = Path(__file__).parent.parent / "fixtures"
     rows = [json.loads(line)["messages"] for line in (fixture / "chat.jsonl").read_text().splitlines()]
     ours, theirs = chat.ChatTemplate(fixture / "hf" / "qwen2"), transformers.AutoTokenizer.from_pretrained(
         fixture / "hf" / "qwen2")
