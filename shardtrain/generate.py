@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardtrain import chat, config as config_lib, mesh as mesh_lib, sharding, step as step_lib, tokenize, weights
+from shardtrain import chat, config as config_lib, mesh as mesh_lib, sharding, step as step_lib, tokenize
+from shardtrain.hf import weights
 
 
 def load_tokenizer(files_dir: Path | None) -> tokenize.HfTokenizer | None:

@@ -17,8 +17,8 @@ from shardtrain import (
     mesh as mesh_lib,
     pipeline,
     step as step_lib,
-    weights,
 )
+from shardtrain.hf import weights
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
