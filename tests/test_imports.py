@@ -97,3 +97,17 @@ def test_models_import_nothing_from_shardtrain():
     edges = [f"{m} imports {t}" for m, targets in graph.items() if m.split(".")[0] == "models"
              for t in targets if t.split(".")[0] == "shardtrain"]
     assert edges == []
+
+
+def test_hf_imports_nothing_from_the_training_loop():
+    """shardtrain/hf/ sits below the loop and the CLI: nothing it imports, directly or through
+    another module, is one of them."""
+    graph = import_graph()
+    hf = {m for m in graph if m.startswith("shardtrain.hf.")}
+    assert {"shardtrain.hf.io", "shardtrain.hf.weights"} <= hf
+    reached, todo = set(), list(hf)
+    while todo:
+        for target in graph[todo.pop()] - reached:
+            reached.add(target)
+            todo.append(target)
+    assert reached & {"shardtrain.loop", "shardtrain.cli"} == set()
