@@ -30,6 +30,16 @@ class UnknownModel(ValueError):
     """`get` was asked for a name not in MODELS (the trainer turns it into its config error)."""
 
 
+LORA_A, LORA_B = "_lora_a", "_lora_b"
+"""Name suffixes of a LoRA adapter's factors: block weight `w` is adapted by `w_lora_a` (A) and `w_lora_b` (B)."""
+
+
+def is_adapter(path) -> bool:
+    """Whether a parameter path leads to a LoRA adapter factor. `path`: dict keys (strings), or a
+    jax key path (`jax.tree_util.tree_map_with_path`'s DictKey / GetAttrKey entries)."""
+    return any(str(getattr(k, "key", getattr(k, "name", k))).endswith((LORA_A, LORA_B)) for k in path)
+
+
 def get(name: str):
     if name not in MODELS:
         raise UnknownModel(f"model.name: unknown model '{name}'; known: {', '.join(MODELS)}")

@@ -25,6 +25,8 @@ from models import (
     BTD,
     BTF,
     BTV,
+    LORA_A,
+    LORA_B,
     attention,
     dense,
     embed_lookup,
@@ -121,9 +123,9 @@ class Block(nnx.Module):
         for name in cfg.lora.target_params():  # low-rank adapters: A (W's input dims, r), B (r, W's output dims)
             w, n_in, r = getattr(self, name), 2 if name == "wo_hed" else 1, cfg.lora.rank
             names = LOGICAL[name]
-            setattr(self, name + "_lora_a", param(rngs, normal(math.prod(w.shape[:n_in]) ** -0.5),
-                                                  (*w.shape[:n_in], r), (*names[:n_in], None)))
-            setattr(self, name + "_lora_b", param(rngs, zeros, (r, *w.shape[n_in:]), (None, *names[n_in:])))
+            setattr(self, name + LORA_A, param(rngs, normal(math.prod(w.shape[:n_in]) ** -0.5),
+                                              (*w.shape[:n_in], r), (*names[:n_in], None)))
+            setattr(self, name + LORA_B, param(rngs, zeros, (r, *w.shape[n_in:]), (None, *names[n_in:])))
 
     def _dense_mlp(self, cfg, rngs):
         d, f = cfg.d_model, cfg.d_ff
@@ -134,9 +136,9 @@ class Block(nnx.Module):
     def weight(self, name):
         """A block weight; with a LoRA adapter W + (alpha/r) A @ B, the frozen W out of the gradient."""
         w = getattr(self, name)[...]
-        if not hasattr(self, name + "_lora_a"):
+        if not hasattr(self, name + LORA_A):
             return w
-        a, b = getattr(self, name + "_lora_a")[...], getattr(self, name + "_lora_b")[...]
+        a, b = getattr(self, name + LORA_A)[...], getattr(self, name + LORA_B)[...]
         return jax.lax.stop_gradient(w) + (self.lora_scale * dense(a, b)).astype(w.dtype)
 
     def mm(self, x, name, n_in=1):

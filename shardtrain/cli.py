@@ -102,15 +102,15 @@ def cmd_ckpt(args) -> int:
 
 def cmd_import_hf(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
-    from shardtrain import weights
+    from shardtrain.hf import weights
     weights.import_hf(args.hf_dir, args.out_dir, args.overrides)
     return 0
 
 
 def cmd_export_hf(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
-    from shardtrain import weights
-    distributed.initialize()  # on every host of a multi-host run: process 0 writes (hf.export)
+    from shardtrain.hf import weights
+    distributed.initialize()  # on every host of a multi-host run: process 0 writes (hf/io.py export)
     weights.export_hf(args.source, args.out_dir, args.dtype, args.max_shard_size)
     return 0
 

@@ -25,8 +25,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardtrain import config as config_lib, mesh as mesh_lib, sharding, step as step_lib, weights
+from shardtrain import config as config_lib, mesh as mesh_lib, sharding, step as step_lib
 from shardtrain.data import chat, tokenize
+from shardtrain.hf import weights
 
 
 def load_tokenizer(files_dir: Path | None) -> tokenize.HfTokenizer | None:

@@ -15,10 +15,10 @@ from shardtrain import (
     mesh as mesh_lib,
     pipeline,
     step as step_lib,
-    weights,
 )
 from shardtrain.checkpoint import listing, manager
 from shardtrain.data import loader, token_shards
+from shardtrain.hf import weights
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75

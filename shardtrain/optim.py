@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
+from models import is_adapter
 from shardtrain.config import RunConfig
 
 
@@ -14,10 +15,6 @@ def schedule(cfg: RunConfig) -> optax.Schedule:
         init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
         decay_steps=max(o.decay_steps or cfg.train.steps, o.warmup_steps + 1),
         end_value=o.learning_rate * o.min_lr_ratio)
-
-
-def is_adapter(path) -> bool:
-    return "_lora_" in jax.tree_util.keystr(path)
 
 
 def make(cfg: RunConfig) -> optax.GradientTransformation:

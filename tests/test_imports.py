@@ -104,9 +104,9 @@ LAYERS = {  # package: (what it may import of shardtrain besides itself, by pref
     "shardtrain.data": ("shardtrain.config",),
 }
 BANNED = {  # package: the modules it must not import (by prefix)
-    "shardtrain.hf": ("shardtrain.loop", "shardtrain.plan"),
-    "shardtrain.plan": ("shardtrain.loop",),
-    "shardtrain.checkpoint": ("shardtrain.loop", "shardtrain.step", "shardtrain.plan"),
+    "shardtrain.hf": ("shardtrain.loop", "shardtrain.cli", "shardtrain.plan"),
+    "shardtrain.plan": ("shardtrain.loop", "shardtrain.cli"),
+    "shardtrain.checkpoint": ("shardtrain.loop", "shardtrain.cli", "shardtrain.step", "shardtrain.plan"),
 }
 """config/ is the bottom layer (it reads the chip table, figures only, to check hardware.chip); data/
 sits on config alone; hf/ and plan/ import nothing from the training loop; checkpoint/ nothing from

@@ -98,7 +98,8 @@ def test_expert_and_context_parallel_losses_gradients_and_collectives():
     losses and gradients = one device's; tokens reach their experts by all-to-all over `expert`
     (the only all-gathers over it are of the other weights, FSDP-sharded over fsdp x expert), attention
     passes key/value blocks by collective-permute over `context` (no all-gather over it). Tensor
-    parallelism inside the experts: test_hf's expert x fsdp x tensor parity; expert=4: the acceptance's losses."""
+    parallelism inside the experts: tests/hf/test_hf_parity.py's expert x fsdp x tensor parity; expert=4: the
+    acceptance's losses."""
     batch = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
     sized = (*QWEN2_MOE, "model.d_ff=80")  # an expert weight's size differs from every other weight's
     one = program(*sized, devices=jax.devices()[:1])

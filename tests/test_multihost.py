@@ -239,7 +239,8 @@ def test_killed_two_process_run_on_tokens_resumes_mid_epoch_in_one(tmp_path, cap
 def test_export_hf_from_two_processes_writes_the_same_tensors(tmp_path):
     """export-hf run on 2 processes (fsdp=8 spreads every tensor over both): process 0 alone
     writes, the tensors gathered across processes; import -> export stays bit-exact."""
-    from shardtrain import hf, safetensors_io, weights
+    from shardtrain.hf import safetensors_io, weights
+    from shardtrain.hf.io import safetensors_files
     fixture = REPO / "tests" / "fixtures" / "hf" / "qwen2"
     imported, out = tmp_path / "imported", tmp_path / "exported"
     cli = [sys.executable, "-m", "shardtrain.cli"]
@@ -255,6 +256,6 @@ def test_export_hf_from_two_processes_writes_the_same_tensors(tmp_path):
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs
     assert "exported" in logs[0] and "exported" not in logs[1]
-    a = safetensors_io.Reader(hf.safetensors_files(out))
-    b = safetensors_io.Reader(hf.safetensors_files(fixture))
+    a = safetensors_io.Reader(safetensors_files(out))
+    b = safetensors_io.Reader(safetensors_files(fixture))
     assert sorted(a.names()) == sorted(b.names()) and all(np.array_equal(a.get(n), b.get(n)) for n in b.names())

@@ -14,8 +14,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from shardtrain.config import ConfigError
+
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+          "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+"""safetensors dtype names -> numpy dtypes (the safetensors format has a few more, e.g. F4: an error)."""
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
@@ -46,7 +51,12 @@ class Reader:
         return tuple(self.where[name][1]["shape"])
 
     def dtype(self, name: str) -> np.dtype:
-        return np.dtype(DTYPES[self.where[name][1]["dtype"]])
+        """The tensor's numpy dtype; ConfigError naming the file, tensor and dtype if numpy has none."""
+        path, info, _ = self.where[name]
+        if info["dtype"] not in DTYPES:
+            raise ConfigError(f"{path}: tensor {name} has dtype {info['dtype']}, which is not supported "
+                              f"(supported: {', '.join(DTYPES)})")
+        return np.dtype(DTYPES[info["dtype"]])
 
     def get(self, name: str) -> np.ndarray:
         """A read-only view of the tensor in the memory-mapped file (no copy)."""
@@ -54,7 +64,7 @@ class Reader:
         if path not in self._maps:
             self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         lo, hi = info["data_offsets"]
-        return self._maps[path][start + lo:start + hi].view(DTYPES[info["dtype"]]).reshape(info["shape"])
+        return self._maps[path][start + lo:start + hi].view(self.dtype(name)).reshape(info["shape"])
 
 
 def write(path: str | Path, specs: list[tuple[str, tuple, np.dtype]], produce, metadata: dict | None = None) -> None:

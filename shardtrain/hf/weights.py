@@ -2,7 +2,7 @@
 accept, and loading its parameters (only the parameters) into a program's shardings.
 
 A source is one of
-- a Hugging Face model directory (config.json + *.safetensors): read by shardtrain/hf.py;
+- a Hugging Face model directory (config.json + *.safetensors): read by hf/io.py's HfDir;
 - a directory written by `shardtrain import-hf`, or a run directory: its newest committed
   checkpoint under checkpoints/ (or the run's checkpoint.directory);
 - one checkpoint step directory (`.../checkpoints/N`).
@@ -21,8 +21,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
 
-from shardtrain import config as config_lib, hf
+from models import LORA_A, LORA_B, is_adapter
+from shardtrain import config as config_lib
 from shardtrain.checkpoint import diagnose, listing, manager
+from shardtrain.hf import io as hf_io
 
 HF_CONFIG = "hf_config.json"
 """The imported model's original config.json, kept beside the checkpoint for export."""
@@ -36,7 +38,8 @@ class Source:
     """The run config (as a dict) the weights were trained or imported with ({} for an HF dir)."""
     step_dir: Path | None = None
     """The Orbax step directory; None for an HF directory."""
-    hf_dir: Path | None = None
+    hf_dir: hf_io.HfDir | None = None
+    """The HF directory, its headers read and checked; None for a checkpoint."""
     files_dir: Path | None = None
     """Where the tokenizer and the original HF config live (None: unknown)."""
 
@@ -51,7 +54,7 @@ class Source:
         """The parameters, restored straight into the shapes and shardings of `abstract_params`
         (of `model`, by default the source's own); ConfigError naming the tensors that differ."""
         if self.hf_dir is not None:
-            return hf.Source(self.hf_dir, model or self.model).params(abstract_params)
+            return self.hf_dir.params(abstract_params, model)
         return restore_params(self.step_dir, abstract_params)
 
 
@@ -64,9 +67,9 @@ def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
     p = Path(path)
     if not p.exists():
         raise config_lib.ConfigError(f"{what}: '{path}' does not exist")
-    if hf.is_hf_dir(p):
-        src = hf.Source(p)  # checks architecture, shards and shapes before any work
-        return Source(p, src.model, {}, hf_dir=p, files_dir=p)
+    if hf_io.is_hf_dir(p):
+        hf_dir = hf_io.HfDir(p)  # checks architecture, shards and shapes before any work
+        return Source(p, hf_dir.model, {}, hf_dir=hf_dir, files_dir=p)
     if (p / "state").is_dir():
         step_dir = p
     else:
@@ -84,7 +87,7 @@ def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
     run_dir = step_dir.parent.parent
     files_dir = None
     for d in (run_dir, Path(cfg.get("checkpoint", {}).get("init_from") or run_dir)):
-        if d.is_dir() and any((d / n).is_file() for n in (*hf.TOKENIZER_FILES, HF_CONFIG, "config.json")):
+        if d.is_dir() and any((d / n).is_file() for n in (*hf_io.TOKENIZER_FILES, HF_CONFIG, "config.json")):
             files_dir = d
             break
     return Source(p, model_from_dict(cfg["model"]), cfg, step_dir=step_dir, files_dir=files_dir)
@@ -109,10 +112,6 @@ def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     return restored["params"]
 
 
-def is_adapter(path) -> bool:
-    return "_lora_" in "/".join(map(str, path))
-
-
 def split_adapters(tree: dict) -> tuple[dict, dict]:
     """(everything but the LoRA adapters, the adapters) of a parameter tree."""
     def pick(node, keep, path=()):
@@ -135,7 +134,7 @@ def merge_adapters(params: dict, model: config_lib.ModelConfig) -> dict:
     def merge(blocks):
         out = {k: v for k, v in blocks.items() if not is_adapter((k,))}
         for name in targets:
-            a, b = blocks[name + "_lora_a"], blocks[name + "_lora_b"]  # (L, in..., r), (L, r, out...)
+            a, b = blocks[name + LORA_A], blocks[name + LORA_B]  # (L, in..., r), (L, r, out...)
             delta = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))(a, b)
             out[name] = (out[name] + scale * delta).astype(out[name].dtype)
         return out
@@ -216,7 +215,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     config with checkpoint.init_from: OUT_DIR), the original config.json as hf_config.json and the
     tokenizer files."""
     t0 = time.perf_counter()
-    src = hf.Source(hf_dir)  # architecture, shards, shapes: checked before any work
+    src = hf_io.HfDir(hf_dir)  # architecture, shards, shapes: checked before any work
     out = Path(out_dir).resolve()
     if listing.scan(str(out / "checkpoints")):
         raise config_lib.ConfigError(f"import-hf: {out} already holds checkpoints; give a new OUT_DIR")
@@ -232,9 +231,9 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     ckpt.close()
     write_run_config(cfg, out / "config.yaml")
     shutil.copyfile(src.dir / "config.json", out / HF_CONFIG)
-    hf.copy_side_files(src.dir, out)
+    hf_io.copy_side_files(src.dir, out)
     n = sum(x.size for x in jax.tree.leaves(params))
-    say(f"imported {hf.architecture(src.hf, '')} ({n / 1e6:.2f}M parameters) from {src.dir} to {out} "
+    say(f"imported {src.family.architecture} ({n / 1e6:.2f}M parameters) from {src.dir} to {out} "
         f"in {time.perf_counter() - t0:.1f} s; fine-tune with: shardtrain train {out / 'config.yaml'}")
 
 
@@ -262,8 +261,8 @@ def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shar
     limit = parse_bytes(max_shard_size)
     prog = program_for(run_config_of(source))
     params = merge_adapters(source.params(prog.abstract_state["params"]), source.model)
-    files = hf.export(params, source.model, out_dir, base=base, dtype=dtype, max_shard_bytes=limit,
-                      side_files=source.files_dir)
+    files = hf_io.export(params, source.model, out_dir, base=base, dtype=dtype, max_shard_bytes=limit,
+                         side_files=source.files_dir)
     if jax.process_index() == 0:
         say(f"exported {source.step_dir or source.path} to {out_dir} ({len(files)} safetensors file"
             f"{'s' * (len(files) > 1)}, {dtype}) in {time.perf_counter() - t0:.1f} s")

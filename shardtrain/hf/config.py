@@ -1,0 +1,163 @@
+"""An HF config.json <-> our ModelConfig, each family's differences read from hf/families.py.
+
+`model_config` reads either rope form (top-level rope_theta / rope_scaling, or transformers 5's
+rope_parameters) and refuses what the one decoder of models/gpt.py cannot compute (another
+activation, an o_proj bias, partial rotary, a mix of windowed and full layers, dense layers
+between MoE layers). `hf_config` writes the config.json transformers loads: the imported one
+updated, or a fresh one for the family that holds the model config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardtrain.config import ConfigError, ModelConfig, RopeScalingConfig
+from shardtrain.hf.families import Family, Moe, family_for, family_of, misfits
+
+
+def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
+    """Our model config for an HF config.json."""
+    family = family_of(hf, where)
+    for key, ok in [("hidden_act", "silu"), ("mlp_bias", False), ("partial_rotary_factor", 1.0)]:
+        if hf.get(key, ok) != ok:
+            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r})")
+    if hf.get("attention_bias") and not family.qkv_bias:
+        raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    theta, rope_scaling = rope(hf, where)
+    head_dim = hf.get("head_dim") or d // h
+    fields = dict(sliding_window=sliding_window(hf, family, where),
+        name="gpt", vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=h,
+        n_kv_heads=hf.get("num_key_value_heads") or h, d_ff=hf["intermediate_size"], rope_theta=theta,
+        rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        head_dim=None if head_dim * h == d else head_dim, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)
+    return ModelConfig(**{**fields, **moe_fields(hf, family, where)})
+
+
+def rope(hf: dict, where: str) -> tuple[float, RopeScalingConfig | None]:
+    """(rope_theta, rope scaling or None) of an HF config.json."""
+    params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ConfigError(f"{where}: rope type {kind!r} is not supported; supported: default, linear, llama3")
+    if kind == "default":
+        return float(theta), None
+    fields = {f.name for f in dataclasses.fields(RopeScalingConfig)} - {"type"}
+    return float(theta), RopeScalingConfig(type=kind, **{k: v for k, v in scaling.items() if k in fields})
+
+
+def moe_fields(hf: dict, family: Family, where: str) -> dict:
+    """Our MoE model fields for a mixture-of-experts config.json ({} for a dense family)."""
+    moe = family.moe
+    if moe is None:
+        return {}
+    if moe.sparse_step and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+        raise ConfigError(f"{where}: decoder_sparse_step={hf.get('decoder_sparse_step')} / mlp_only_layers="
+                          f"{hf.get('mlp_only_layers')}: dense layers between MoE layers are not supported "
+                          "(only decoder_sparse_step=1, mlp_only_layers=[])")
+    out = dict(moe.fixed)
+    for ours, keys in moe.keys.items():
+        key = next((k for k in keys if hf.get(k) is not None), None)
+        if key is None and ours not in moe.defaults:
+            raise ConfigError(f"{where}: {' or '.join(keys)} is missing ({family.architecture} needs it)")
+        default = moe.defaults.get(ours)
+        out[ours] = default if key is None else hf[key] if default is None else type(default)(hf[key])
+    if moe.shared_expert:
+        shared = hf.get("shared_expert_intermediate_size", 0)
+        out.update(n_shared_experts=1 if shared else 0, shared_expert_d_ff=shared or None,
+                   shared_expert_gate=bool(shared))
+    return out
+
+
+def sliding_window(hf: dict, family: Family, where: str) -> int | None:
+    """The window every layer uses, as transformers decides it (families.Family.window). A mix of
+    windowed and full layers is refused (one window for all our layers)."""
+    if family.window == "never":
+        return None
+    always = family.window == "always"
+    window = hf.get("sliding_window")
+    if not always and not hf.get("use_sliding_window", False):
+        window = None
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        first = 0 if always else hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n)]
+    windowed = sum(t == "sliding_attention" for t in types)
+    if 0 < windowed < n:
+        raise ConfigError(f"{where}: {windowed} of {n} layers use sliding_window={window} and the others full "
+                          "attention (max_window_layers / layer_types); only one kind for all layers is supported")
+    return int(window) if windowed and window else None
+
+
+# ----------------------------------------------------------------------------- ours -> config.json
+
+
+def export_family(m: ModelConfig, base: dict | None) -> Family:
+    """The family to write: the imported model's (`base`, its config.json), which must still hold
+    the model config, or else the first that holds it."""
+    if base is None:
+        return family_for(m)
+    family = family_of(base, "the imported model's config.json")
+    bad = misfits(family, m)
+    if bad:
+        raise ConfigError(f"export-hf: the weights were imported from a {family.architecture}, which cannot "
+                          f"hold this model config's {', '.join(bad)}")
+    return family
+
+
+def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
+    """config.json for our model config: `base` (the imported model's) updated, or a fresh one."""
+    family = export_family(m, base)
+    out = dict(base) if base else {"architectures": [family.architecture], "model_type": family.model_type,
+                                   "hidden_act": "silu", "max_position_embeddings": 4096, "attention_bias": False}
+    rope = rope_parameters(m)
+    out.update(vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
+               num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, intermediate_size=m.d_ff,
+               head_dim=m.head_dim or m.d_model // m.n_heads, rms_norm_eps=m.rms_norm_eps,
+               tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
+    if family.moe is not None:
+        out.update(moe_keys(m, family.moe, out, base))
+    out.pop("torch_dtype", None)
+    windowed = m.sliding_window is not None
+    if family.window == "always":
+        out["sliding_window"] = m.sliding_window
+    elif windowed or out.get("use_sliding_window"):  # Qwen: windowed on every layer, or on none
+        out.update(use_sliding_window=windowed, max_window_layers=0 if windowed else m.n_layers)
+        if windowed:
+            out["sliding_window"] = m.sliding_window
+        if "layer_types" in out:
+            out["layer_types"] = ["sliding_attention" if windowed else "full_attention"] * m.n_layers
+    if m.rope_scaling is not None:
+        out["rope_scaling"] = rope
+    else:
+        out.pop("rope_scaling", None)
+    return out
+
+
+def rope_parameters(m: ModelConfig) -> dict:
+    """transformers 5's rope_parameters (also written as rope_scaling when there is scaling)."""
+    s = m.rope_scaling
+    if s is None:
+        return {"rope_type": "default", "rope_theta": m.rope_theta}
+    if s.type == "linear":
+        return {"rope_type": "linear", "factor": s.factor, "rope_theta": m.rope_theta}
+    rope = {**dataclasses.asdict(s), "rope_type": s.type, "rope_theta": m.rope_theta}
+    rope.pop("type")
+    return rope
+
+
+def moe_keys(m: ModelConfig, moe: Moe, out: dict, base: dict | None) -> dict:
+    """The MoE keys of config.json (`out`: the config.json written so far)."""
+    new = {key: getattr(m, ours) for ours, keys in moe.keys.items()
+           for i, key in enumerate(keys) if i == 0 or key in out}
+    if moe.sparse_step:
+        new.update(decoder_sparse_step=1, mlp_only_layers=[])
+    if "d_ff" in moe.keys:  # d_ff is each expert's size; intermediate_size (a dense MLP's) stays
+        new["intermediate_size"] = (base or {}).get("intermediate_size", m.d_ff)
+    if moe.shared_expert and m.n_shared_experts:
+        new["shared_expert_intermediate_size"] = m.shared_expert_d_ff or m.d_ff
+    return new

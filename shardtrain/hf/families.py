@@ -1,0 +1,114 @@
+"""The Hugging Face families we read and write, one row each: every fact about a family that the
+config mapping (hf/config.py) and the tensor layout (hf/layout.py) need, in one table.
+
+All of them are configs of the one decoder in models/gpt.py. A family differs from another in
+- its attention: q/k/v biases (Qwen2), RMSNorm on each query and key head (Qwen3);
+- how config.json decides the sliding window (`window`);
+- for a mixture of experts: which config.json key holds each of our MoE fields, the defaults when
+  a key is absent, and the names of its MoE MLP's tensors.
+
+`family_for(model)` picks the family that holds our model config exactly: a config that no family
+holds (say qk_norm and qkv_bias together) is a ConfigError rather than an export that drops a
+feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shardtrain.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A mixture-of-experts family's config keys and tensor names."""
+
+    keys: dict[str, tuple[str, ...]]
+    """Our ModelConfig field -> its config.json keys: read from the first one present; written to
+    the first, and to the others where the base config.json already has them."""
+    defaults: dict[str, object]
+    """Our field -> its value when config.json has none of its keys (the value's type converts)."""
+    mlp: str
+    """The MoE MLP's module under model.layers.{i}."""
+    experts: tuple[str, str, str]
+    """Each expert's gate, up and down projection names (under `mlp`experts.{j}.)."""
+    fixed: dict[str, object] = field(default_factory=dict)
+    """Our fields the family cannot change (Mixtral always renormalises the top-k weights)."""
+    shared_expert: bool = False
+    """One gated shared expert, its size in shared_expert_intermediate_size (Qwen2-MoE)."""
+    sparse_step: bool = False
+    """config.json can leave dense layers between MoE layers (decoder_sparse_step, mlp_only_layers);
+    we read only configs where every layer is MoE (Qwen-MoE)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str
+    """config.json `architectures[0]`."""
+    model_type: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    window: Literal["never", "always", "use_sliding_window"] = "never"
+    """How config.json sets the sliding window: never (Llama); `sliding_window` on every layer
+    (Mistral, Mixtral); `sliding_window` when `use_sliding_window`, on the layers from
+    `max_window_layers` on or as `layer_types` says (Qwen)."""
+    moe: Moe | None = None
+
+
+QWEN_MOE_KEYS = {"router_aux_loss_coef": ("router_aux_loss_coef",),
+                 "n_experts": ("num_experts", "num_local_experts"),  # transformers 5 writes Qwen3-MoE's under both
+                 "experts_per_token": ("num_experts_per_tok",), "d_ff": ("moe_intermediate_size",),
+                 "norm_topk_prob": ("norm_topk_prob",)}
+QWEN_MOE_DEFAULTS = {"router_aux_loss_coef": 0.001, "norm_topk_prob": False}
+QWEN_EXPERTS = ("gate_proj", "up_proj", "down_proj")
+
+FAMILIES = {f.architecture: f for f in [  # in order of preference when several hold a model config
+    Family("LlamaForCausalLM", "llama"),
+    Family("MistralForCausalLM", "mistral", window="always"),
+    Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window="use_sliding_window"),
+    Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window="use_sliding_window"),
+    Family("MixtralForCausalLM", "mixtral", window="always", moe=Moe(
+        keys={"router_aux_loss_coef": ("router_aux_loss_coef",), "n_experts": ("num_local_experts",),
+              "experts_per_token": ("num_experts_per_tok",)},
+        defaults={"router_aux_loss_coef": 0.01}, mlp="block_sparse_moe.", experts=("w1", "w3", "w2"),
+        fixed={"norm_topk_prob": True})),
+    Family("Qwen2MoeForCausalLM", "qwen2_moe", qkv_bias=True, window="use_sliding_window", moe=Moe(
+        QWEN_MOE_KEYS, QWEN_MOE_DEFAULTS, "mlp.", QWEN_EXPERTS, shared_expert=True, sparse_step=True)),
+    Family("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, window="use_sliding_window", moe=Moe(
+        QWEN_MOE_KEYS, QWEN_MOE_DEFAULTS, "mlp.", QWEN_EXPERTS, sparse_step=True)),
+]}
+
+
+def family_of(hf: dict, where: str) -> Family:
+    """The family of an HF config.json (ConfigError naming the architecture if unsupported)."""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in FAMILIES:
+        raise ConfigError(f"{where}: architecture {arch or hf.get('model_type')!r} is not supported; "
+                          f"supported: {', '.join(FAMILIES)}")
+    return FAMILIES[arch]
+
+
+def misfits(f: Family, m: ModelConfig) -> list[str]:
+    """What of our model config family `f` cannot hold ([] if it holds it all)."""
+    out = [f"qkv_bias={m.qkv_bias}"] if m.qkv_bias != f.qkv_bias else []
+    out += [f"qk_norm={m.qk_norm}"] if m.qk_norm != f.qk_norm else []
+    out += [f"sliding_window={m.sliding_window}"] if m.sliding_window and f.window == "never" else []
+    if (m.n_experts > 1) != (f.moe is not None):
+        return [*out, f"n_experts={m.n_experts}"]
+    if f.moe is not None:
+        out += [f"{k}={getattr(m, k)}" for k, v in f.moe.fixed.items() if getattr(m, k) != v]
+        shared_ok = (m.n_shared_experts == 0 or (m.n_shared_experts == 1 and m.shared_expert_gate)
+                     if f.moe.shared_expert else m.n_shared_experts == 0)
+        out += [] if shared_ok else [f"n_shared_experts={m.n_shared_experts} (gate {m.shared_expert_gate})"]
+    return out
+
+
+def family_for(m: ModelConfig) -> Family:
+    """The first family (in FAMILIES' order) that holds our model config; ConfigError if none does."""
+    for f in FAMILIES.values():
+        if not misfits(f, m):
+            return f
+    raise ConfigError("this model config has no Hugging Face family: " + "; ".join(
+        f"{f.architecture} cannot hold {', '.join(misfits(f, m))}" for f in FAMILIES.values()))

@@ -1,0 +1,40 @@
+"""What tests/hf share: the tiny HF models of tests/fixtures/hf/, what transformers computed with
+them, and our logits for a weights source (`from hf_reference import ...`).
+
+tests/fixtures/hf/<family>/ holds a tiny random model per supported family, saved by
+transformers, with transformers' logits and greedy generation (tests/fixtures/make_hf_fixtures.py
+made them). Llama uses llama3 rope scaling, Qwen2 qkv biases and tied embeddings, Qwen3 qk-norm,
+head_dim 16 != 32/4 and a sharded checkpoint with an index. The mixtures of experts (4 experts,
+top 2): Mixtral, Qwen2-MoE with a gated shared expert and unnormalised top-k weights, Qwen3-MoE.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from shardtrain import config, mesh as mesh_lib, sharding, step
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES]
+
+
+def reference(family):
+    d = FIXTURES / family
+    return json.loads((d / "reference.json").read_text()), np.load(d / "reference_logits.npy")
+
+
+def our_logits(source, tokens_bt, mesh_overrides, devices=None, run_dir="/tmp/unused"):
+    """Our model's logits for `source`'s weights on a mesh."""
+    cfg = config.load(None, [*mesh_overrides, "train.global_batch_size=8", f"run_dir={run_dir}"])
+    cfg = dataclasses.replace(cfg, model=source.model)
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    prog = step.build(cfg, mesh)
+    params = source.params(prog.abstract_state["params"])
+    graphdef = nnx.split(step.abstract_model(cfg, sharding.Constrain(cfg.rules, mesh)))[0]
+    out = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens_bt)
+    return np.asarray(out[0] if isinstance(out, tuple) else out)  # an MoE model: (logits, aux losses)

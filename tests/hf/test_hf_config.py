@@ -1,0 +1,106 @@
+"""HF config.json <-> our ModelConfig (hf/config.py), per family (hf/families.py)."""
+
+import dataclasses
+import json
+
+import pytest
+from hf_reference import FIXTURES, MOE_FAMILIES
+
+from shardtrain import config
+from shardtrain.config import ConfigError
+from shardtrain.hf.config import hf_config, model_config
+from shardtrain.hf.io import HfDir, read_config
+
+
+def test_config_json_in_both_rope_forms():
+    new = json.loads((FIXTURES / "llama" / "config.json").read_text())  # transformers 5: rope_parameters
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}  # published Llama 3.1 files
+    old.update(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    m = model_config(new)
+    assert m == model_config(old)
+    assert m.rope_theta == 500000.0 and m.rope_scaling == config.RopeScalingConfig(
+        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+    assert model_config(hf_config(m)) == m
+
+
+def test_published_config_files_map_to_our_fields():
+    """config.json of published models (the fields that matter, as on the Hub in 2025)."""
+    llama31_8b = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                  "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                  "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256, "hidden_act": "silu",
+                  "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
+                  "eos_token_id": [128001, 128008, 128009]}
+    m = model_config(llama31_8b)
+    assert (m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff) == (4096, 32, 8, None, 14336)
+    assert m.rope_scaling.factor == 8.0 and m.rope_theta == 500000.0
+    qwen25_7b = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
+                 "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000.0, "sliding_window": 131072, "use_sliding_window": False,
+                 "tie_word_embeddings": False, "vocab_size": 152064, "hidden_act": "silu", "rope_scaling": None}
+    m = model_config(qwen25_7b)
+    assert m.qkv_bias and not m.qk_norm and m.rope_scaling is None and m.head_dim is None
+    qwen3_8b = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288, "head_dim": 128,
+                "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000, "tie_word_embeddings": False, "vocab_size": 151936, "attention_bias": False}
+    assert model_config(qwen3_8b).qk_norm
+    mistral = {"architectures": ["MistralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+               "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+               "rope_theta": 1000000.0, "sliding_window": None, "vocab_size": 32768, "head_dim": 128}
+    assert model_config(mistral).head_dim is None  # 128 = 4096 / 32
+    mixtral_8x7b = {"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                    "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                    "router_aux_loss_coef": 0.02, "sliding_window": None, "vocab_size": 32000}
+    m = model_config(mixtral_8x7b)
+    assert (m.n_experts, m.experts_per_token, m.d_ff, m.norm_topk_prob, m.n_shared_experts) == (8, 2, 14336, True, 0)
+    qwen15_moe = {"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 5632,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
+                  "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "num_attention_heads": 16, "num_hidden_layers": 24,
+                  "num_key_value_heads": 16, "rope_theta": 1e6, "vocab_size": 151936}
+    m = model_config(qwen15_moe)
+    assert (m.n_experts, m.d_ff, m.shared_expert_d_ff, m.shared_expert_gate, m.norm_topk_prob, m.qkv_bias) == (
+        60, 1408, 5632, True, False, True)
+    qwen3_30b_a3b = {**qwen3_8b, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128,
+                     "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "mlp_only_layers": []}
+    m = model_config(qwen3_30b_a3b)
+    assert (m.n_experts, m.experts_per_token, m.d_ff, m.qk_norm, m.n_shared_experts) == (128, 8, 768, True, 0)
+    with pytest.raises(ConfigError, match="dense layers between MoE layers are not supported"):
+        model_config({**qwen3_30b_a3b, "mlp_only_layers": [0]})
+    mistral_v01 = model_config({**mistral, "sliding_window": 4096})
+    assert mistral_v01.sliding_window == 4096 and model_config(hf_config(mistral_v01)) == mistral_v01
+    assert model_config(qwen25_7b).sliding_window is None  # use_sliding_window false
+    qwen_windowed = model_config({**qwen25_7b, "use_sliding_window": True, "max_window_layers": 0})
+    assert qwen_windowed.sliding_window == 131072 and model_config(hf_config(qwen_windowed)) == qwen_windowed
+    with pytest.raises(ConfigError, match="20 of 28 layers use sliding_window=131072 and the others full"):
+        model_config({**qwen25_7b, "use_sliding_window": True, "max_window_layers": 8})
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+        model_config({**qwen25_7b, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+
+
+def test_each_moe_family_comes_back_as_its_own_config_json():
+    for family in MOE_FAMILIES:  # each MoE config comes back as its own family's config.json
+        m = HfDir(FIXTURES / family).model
+        assert model_config(hf_config(m)) == m
+        assert hf_config(m)["architectures"] == read_config(FIXTURES / family)["architectures"]
+
+
+def test_a_model_config_no_family_holds_is_refused_not_exported_without_a_feature():
+    m = model_config(read_config(FIXTURES / "qwen3"))
+    both = dataclasses.replace(m, qkv_bias=True)  # Qwen3's qk-norm and Qwen2's biases: no family has both
+    with pytest.raises(ConfigError, match="no Hugging Face family: .*Qwen3ForCausalLM cannot hold qkv_bias=True"):
+        hf_config(both)
+    assert hf_config(dataclasses.replace(m, qk_norm=False, qkv_bias=True))["architectures"] == ["Qwen2ForCausalLM"]
+    llama = read_config(FIXTURES / "llama")
+    windowed = dataclasses.replace(model_config(llama), sliding_window=8)
+    with pytest.raises(ConfigError, match="imported from a LlamaForCausalLM, which cannot hold this model config's "
+                                          "sliding_window=8"):
+        hf_config(windowed, base=llama)
+    assert hf_config(windowed)["architectures"] == ["MistralForCausalLM"]
+    mixtral = model_config(read_config(FIXTURES / "mixtral"))
+    with pytest.raises(ConfigError, match="MixtralForCausalLM cannot hold norm_topk_prob=False"):
+        hf_config(dataclasses.replace(mixtral, norm_topk_prob=False))

@@ -1,0 +1,57 @@
+"""Our logits and greedy generation equal what transformers computes, for every supported family.
+
+tests/hf/hf_reference.py describes the fixtures; the MoE families' sharded parity runs on an
+expert-parallel 2x2x2 mesh (expert x fsdp x tensor).
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from hf_reference import FAMILIES, FIXTURES, MOE_FAMILIES, our_logits, reference
+
+from shardtrain import cli, generate
+from shardtrain.hf import weights
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers_on_2x2x2_mesh_and_one_device(family):
+    ref, want = reference(family)
+    source = weights.find(FIXTURES / family)
+    tokens = np.tile(np.array(ref["tokens"], np.int32), (2, 1))  # 4 rows: the batch splits over data x fsdp
+    split = "mesh.expert=2" if family in MOE_FAMILIES else "mesh.data=2"
+    sharded = our_logits(source, tokens, [split, "mesh.fsdp=2", "mesh.tensor=2"])[:2]
+    single = our_logits(source, tokens[:2], [], devices=jax.devices()[:1])
+    assert np.abs(sharded - want).max() < 1e-4
+    assert np.abs(single - want).max() < 1e-4
+    assert np.abs(sharded - single).max() < 1e-5 * np.abs(want).max()  # logits up to ~8: reduction order
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral"])
+def test_greedy_generation_equals_transformers(family):
+    ref, _ = reference(family)
+    gen = generate.Generator.from_source(FIXTURES / family)
+    assert gen.encode(ref["prompt"]) == ref["prompt_ids"]
+    short = ref["prompt_ids"][4:]
+    out = gen.generate([ref["prompt_ids"], short], 20, stop_at_eos=False)
+    assert out[0] == ref["new_ids"]
+    stopped = gen.generate([ref["prompt_ids"], short], 20)  # EOS (id 0) ends a row, EOS included
+    eos_at = ref["new_ids"].index(0) + 1 if 0 in ref["new_ids"] else 20
+    assert stopped[0] == ref["new_ids"][:eos_at]
+    if family in ("llama", "mistral"):  # the left-padded row generates what it does alone (window too)
+        assert out[1] == gen.generate([short], 20, stop_at_eos=False)[0]
+
+
+def test_generate_command_json_and_streaming(capsys):
+    ref, _ = reference("llama")
+    args = ["--prompt", ref["prompt"], "--max-new-tokens", "20"]
+    for extra in (["--json"], []):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["generate", str(FIXTURES / "llama"), *([] if extra else ["mesh.fsdp=4", "mesh.tensor=2"]),
+                      *args, *extra])
+        assert e.value.code == 0
+    json_out, text_out = capsys.readouterr().out.split("\n", 1)
+    got = json.loads(json_out)
+    assert got["prompt_ids"] == ref["prompt_ids"] and got["generated_ids"] == ref["new_ids"]
+    assert text_out == ref["prompt"] + got["text"] + "\n"

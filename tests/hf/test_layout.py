@@ -1,0 +1,29 @@
+"""Our parameter tree <-> HF tensor names and layouts (hf/layout.py), against the fixtures' files."""
+
+import numpy as np
+import pytest
+from hf_reference import FAMILIES, FIXTURES
+
+from shardtrain.hf import safetensors_io
+from shardtrain.hf.io import HfDir, safetensors_files
+from shardtrain.hf.layout import indexed_names, tensor_map
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_map_names_every_stored_tensor_and_its_layouts_invert(family):
+    hf_dir = HfDir(FIXTURES / family)
+    m = hf_dir.model
+    stored = safetensors_io.Reader(safetensors_files(FIXTURES / family))
+    names = [name for entry in tensor_map(m) for name, _ in indexed_names(entry, m)]
+    assert sorted(names) == sorted(stored.names())  # nothing missing, nothing left over
+    e = m.head_dim or m.d_model // m.n_heads
+    for entry in tensor_map(m):
+        a = np.asarray(stored.get(entry.hf.format(i=0, j=0)), np.float32)
+        ours = entry.to_ours(a)
+        assert np.array_equal(entry.to_hf(ours), a), entry.hf
+        if entry.ours[-1] in ("wq_dhe", "wk_dke"):  # HF rows n*E + e (a head's E rows together) -> ours [:, n, e]
+            assert np.array_equal(ours[:, 1, 2], a[e + 2])
+        if entry.ours[-1] == "wo_hed":  # HF columns n*E + e -> ours [n, e, :]
+            assert np.array_equal(ours[1, 2], a[:, e + 2])
+        if entry.ours[-1] in ("w_up_df", "w_up_edf", "router_de"):  # HF (out, in) -> ours (in, out)
+            assert np.array_equal(ours, a.T)

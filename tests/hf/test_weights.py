@@ -1,0 +1,103 @@
+"""Weight sources, import-hf and export-hf (hf/weights.py), LoRA fine-tuning from an import."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from hf_reference import FIXTURES, our_logits, reference
+
+from shardtrain import cli, config, mesh as mesh_lib, step
+from shardtrain.config import ConfigError
+from shardtrain.hf import safetensors_io, weights
+from shardtrain.hf.config import model_config
+from shardtrain.hf.io import HfDir, safetensors_files
+
+
+def test_import_then_export_round_trips_bit_exactly(tmp_path, monkeypatch):
+    src = FIXTURES / "qwen3"  # sharded with an index, bf16
+    weights.import_hf(str(src), str(tmp_path / "imp"), say=lambda _: None)
+    assert (tmp_path / "imp" / "config.yaml").exists() and (tmp_path / "imp" / "tokenizer.json").exists()
+    assert "name: imp-ft" in (tmp_path / "imp" / "config.yaml").read_text()  # runs go to runs/imp-ft
+    with pytest.raises(SystemExit) as e:  # a run directory that is the import's own would resume from it
+        cli.main(["train", str(tmp_path / "imp" / "config.yaml"), f"run_dir={tmp_path / 'imp'}"])
+    assert e.value.code == 2
+    monkeypatch.chdir(tmp_path)  # relative paths, as typed on a command line
+    weights.export_hf("imp", "exp", max_shard_size="30KB", say=lambda _: None)
+    a = safetensors_io.Reader(safetensors_files(src))
+    b = safetensors_io.Reader(safetensors_files(tmp_path / "exp"))
+    assert sorted(a.names()) == sorted(b.names())
+    for name in a.names():
+        assert a.dtype(name) == b.dtype(name) and np.array_equal(a.get(name), b.get(name)), name
+    assert (tmp_path / "exp" / "model.safetensors.index.json").exists()
+    assert model_config(json.loads((tmp_path / "exp" / "config.json").read_text())) == HfDir(src).model
+
+
+def test_moe_import_then_export_round_trips_bit_exactly(tmp_path):
+    src = FIXTURES / "qwen2_moe"  # per-expert tensors, a gated shared expert, qkv bias
+    weights.import_hf(str(src), str(tmp_path / "imp"), say=lambda _: None)
+    weights.export_hf(str(tmp_path / "imp"), str(tmp_path / "exp"), say=lambda _: None)
+    a = safetensors_io.Reader(safetensors_files(src))
+    b = safetensors_io.Reader(safetensors_files(tmp_path / "exp"))
+    assert sorted(a.names()) == sorted(b.names())
+    for name in a.names():
+        assert a.dtype(name) == b.dtype(name) and np.array_equal(a.get(name), b.get(name)), name
+
+
+@pytest.mark.slow
+def test_lora_fine_tune_from_import_then_merged_export(tmp_path, capsys):
+    """`train` with checkpoint.init_from an imported Qwen2 (tied embeddings, qkv bias) and LoRA
+    on a 2x2x2 mesh: after a few steps only adapter parameters differ from the import, and the
+    merged export computes what the adapted model computes (our Qwen2 equals transformers':
+    tests/hf/test_hf_parity.py)."""
+    weights.import_hf(str(FIXTURES / "qwen2"), str(tmp_path / "imp"), say=lambda _: None)
+    run = tmp_path / "run"
+    mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", str(tmp_path / "imp" / "config.yaml"), f"run_dir={run}", "train.steps=3",
+                  "data.seq_len=16", "train.global_batch_size=8", *mesh, "train.compile_cache=false",
+                  "model.lora.rank=4", "model.lora.targets=[q_proj,v_proj,wo_hed,w_up_df]",
+                  "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=1"])
+    assert e.value.code == 0
+    assert "starting from the weights of" in capsys.readouterr().out
+    trained, imported = weights.find(run), weights.find(tmp_path / "imp")
+    prog = weights.program_for(weights.run_config_of(trained))
+    after = jax.tree.map(np.asarray, trained.params(prog.abstract_state["params"]))
+    base, adapters = weights.split_adapters(after)
+    before = jax.tree.map(np.asarray, imported.params(weights.split_adapters(prog.abstract_state["params"])[0]))
+    assert jax.tree.all(jax.tree.map(np.array_equal, base, before))  # the base is frozen
+    assert sorted(adapters["blocks"]) == sorted(f"{w}_lora_{x}" for w in ("wq_dhe", "wv_dke", "wo_hed", "w_up_df")
+                                                for x in "ab")
+    assert all(np.abs(b).max() > 0 for k, b in adapters["blocks"].items() if k.endswith("_b"))  # B left zero
+    weights.export_hf(str(run), str(tmp_path / "exp"), dtype="float32", say=lambda _: None)
+    tokens = np.tile(np.array(reference("qwen2")[0]["tokens"], np.int32), (2, 1))
+    adapted = our_logits(trained, tokens, mesh)
+    merged = our_logits(weights.find(tmp_path / "exp"), tokens, mesh)
+    original = our_logits(imported, tokens, mesh)
+    assert np.abs(adapted - merged).max() < 1e-4
+    assert np.abs(adapted - original).max() > 1e-3
+
+
+def test_lora_config_mistakes():
+    with pytest.raises(ConfigError, match="model.lora.targets: unknown weight 'q'; choose from wq_dhe, "):
+        config.load(None, ["model.lora.rank=4", "model.lora.targets=[q,wq_dhe]"])
+    with pytest.raises(ConfigError, match="model.lora.rank > 0 needs train.sync=every_step"):
+        config.load(None, ["model.lora.rank=4", "train.sync=local_sgd"])
+    lora = config.load(None, ["model.lora.rank=4", "model.lora.targets=[q_proj,w_up_df]"]).model.lora
+    assert lora.target_params() == ("wq_dhe", "w_up_df")
+
+
+def test_find_reads_each_safetensors_header_once(monkeypatch):
+    """weights.find checks the HF directory and its parameters come from that one reading."""
+    read = []
+    real = safetensors_io.read_header
+    monkeypatch.setattr(safetensors_io, "read_header", lambda path: read.append(path.name) or real(path))
+    source = weights.find(FIXTURES / "qwen3")  # three shards
+    cfg = config.load(None, ["run_dir=/tmp/unused", "train.global_batch_size=8"])
+    cfg = dataclasses.replace(cfg, model=source.model)
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
+    params = source.params(prog.abstract_state["params"])
+    assert sorted(read) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    want = safetensors_io.Reader(safetensors_files(FIXTURES / "qwen3")).get("model.norm.weight")
+    assert np.array_equal(np.asarray(params["final_norm"]), want)
