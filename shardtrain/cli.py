@@ -4,6 +4,7 @@ input exit 2 with one message, no traceback."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -52,13 +53,14 @@ def cmd_train(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import loop
     from shardtrain.checkpoint import manager
-    distributed.initialize()
-    enable_compile_cache(cfg)
-    try:
-        return loop.train(cfg)
-    except manager.SaveFailed as e:
-        print(f"{distributed.tag()}: error: {e}", file=sys.stderr)
-        return 1
+    cluster = distributed.initialize()
+    with leaving_on_error(cluster):
+        enable_compile_cache(cfg)
+        try:
+            return loop.train(cfg)
+        except manager.SaveFailed as e:
+            print(f"{cluster.tag}: error: {e}", file=sys.stderr)
+            return 1
 
 
 def cmd_plan(args) -> int:
@@ -91,8 +93,8 @@ def cmd_eval(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import evaluate
-    distributed.initialize()
-    return evaluate.main(cfg, args.checkpoint)
+    with leaving_on_error(distributed.initialize()):
+        return evaluate.main(cfg, args.checkpoint)
 
 
 def cmd_ckpt(args) -> int:
@@ -110,8 +112,8 @@ def cmd_import_hf(args) -> int:
 def cmd_export_hf(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain.hf import weights
-    distributed.initialize()  # on every host of a multi-host run: process 0 writes (hf/io.py export)
-    weights.export_hf(args.source, args.out_dir, args.dtype, args.max_shard_size)
+    with leaving_on_error(distributed.initialize()):  # on every host of a multi-host run: process 0 writes
+        weights.export_hf(args.source, args.out_dir, args.dtype, args.max_shard_size)
     return 0
 
 
@@ -145,6 +147,19 @@ def cmd_generate(args) -> int:
         else:
             print(text + gen.decode(new))
     return 0
+
+
+@contextlib.contextmanager
+def leaving_on_error(cluster: distributed.Cluster):
+    """In a run of several processes, an error (not SystemExit) is printed with the process index
+    and the process leaves at once (`Cluster.report_and_leave`); a lone process raises as usual.
+    Only errors of the main thread reach here, as they alone reached sys.excepthook."""
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, SystemExit) or not cluster.several:
+            raise
+        cluster.report_and_leave(e)
 
 
 def enable_compile_cache(cfg: config_lib.RunConfig) -> None:
@@ -234,10 +249,9 @@ def main(argv=None) -> None:
     skip_absent_tpu()
     try:
         code = args.func(args)
-    except config_lib.ConfigError as e:
-        print(f"{distributed.tag()}: error: {e}", file=sys.stderr)
+    except config_lib.ConfigError as e:  # in a run of several processes, leaving_on_error reports it
+        print(f"shardtrain: error: {e}", file=sys.stderr)
         code = 2
-        distributed.leave_after_error(code, wait_for_peers_s=10)
     sys.exit(code)
 
 

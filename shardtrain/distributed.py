@@ -15,7 +15,9 @@ at once when its connections are reset (they then print why and exit with EXIT_P
 otherwise JAX's coordination service aborts them (SIGABRT, "tasks are unhealthy (stopped sending
 heartbeats)") after SHARDTRAIN_HEARTBEAT_TIMEOUT seconds (default 100, like JAX). JAX's runtime
 client takes a missed-heartbeat callback, but jax 0.10.2 cannot call a Python one (std::bad_cast).
-An uncaught error in one process is printed with its process index, which then exits at once.
+An error in one process is printed with its process index, and that process then exits at once:
+`initialize` returns the `Cluster` (index, count, message tag) and the CLI hands each error it
+catches to `Cluster.report_and_leave`. Nothing here is process-wide state: no global, no excepthook.
 """
 
 from __future__ import annotations
@@ -110,67 +112,82 @@ def _ints(env: Mapping[str, str], name: str) -> list[int]:
         raise ConfigError(f"{name}={env[name]!r} must be an integer (or a comma-separated list of them)") from None
 
 
-def initialize(env: Mapping[str, str] = os.environ) -> None:
-    """Joins the run described by the environment; does nothing for a lone process."""
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """This process's place in the run, as `initialize` found it (a lone process: 0 of 1). The CLI
+    keeps it and hands it to what prints errors or has to leave after one."""
+
+    process_index: int = 0
+    process_count: int = 1
+
+    @property
+    def several(self) -> bool:
+        return self.process_count > 1
+
+    @property
+    def tag(self) -> str:
+        """'shardtrain' or, in a run of several processes, 'shardtrain[process i/N]' for messages."""
+        return f"shardtrain[process {self.process_index}/{self.process_count}]" if self.several else "shardtrain"
+
+    def report_and_leave(self, error: BaseException) -> None:
+        """An error in a run of several processes: print it with the process index and leave at once
+        (`leave_after_error`). A ConfigError (a mistake every process finds) is one line, exit 2;
+        a failed collective most likely means another process died (EXIT_PEER_LOST)."""
+        if isinstance(error, ConfigError):
+            print(f"{self.tag}: error: {error}", file=sys.stderr, flush=True)
+            self.leave_after_error(2, wait_for_peers_s=10)
+        text = "".join(traceback.format_exception(error))
+        kind = type(error).__name__
+        if kind == "JaxRuntimeError" and any(s in str(error) for s in PEER_FAILURE_SIGNS):
+            print(f"{text}{self.tag}: error: a collective with another process failed ({error}). Another process "
+                  f"most likely died; its own log says why. Stopping (exit {EXIT_PEER_LOST}).",
+                  file=sys.stderr, flush=True)
+            self.leave_after_error(EXIT_PEER_LOST)
+        print(f"{text}{self.tag}: error: {kind}: {error}", file=sys.stderr, flush=True)
+        self.leave_after_error(EXIT_ERROR)
+
+    def leave_after_error(self, code: int, wait_for_peers_s: float = 0) -> None:
+        """In a run of several processes, exits now: after an error the peers may never reach JAX's
+        shutdown barrier, and a normal exit would wait there for minutes. `wait_for_peers_s`: first
+        wait that long at a barrier for peers that hit the same error (a config mistake every process
+        finds), so none is cut off by the coordinator's exit before it has said so. A lone process returns."""
+        if not self.several:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if wait_for_peers_s:
+            import orbax.checkpoint as ocp  # JAX's own API has no barrier with a timeout; orbax's wraps the client's
+
+            try:
+                ocp.multihost.get_barrier_sync_fn()(key="shardtrain_error", timeout_ms=int(wait_for_peers_s * 1000))
+            except Exception:  # a peer did not come (another state, or dead): leave anyway
+                pass
+        os._exit(code)
+
+
+LONE = Cluster()
+
+
+def initialize(env: Mapping[str, str] = os.environ) -> Cluster:
+    """Joins the run described by the environment and says where this process stands in it;
+    does nothing for a lone process (LONE)."""
     import jax
     p = plan(env)
     if p.kwargs is None:
-        return
-    global _tag
-    if "process_id" in p.kwargs:
-        _tag = f"shardtrain[process {p.kwargs['process_id']}/{p.kwargs['num_processes']}]"
+        return LONE
     timeout = (_ints(env, "SHARDTRAIN_HEARTBEAT_TIMEOUT") or [100])[0]
     try:
         jax.distributed.initialize(**p.kwargs, heartbeat_timeout_seconds=timeout)
     except ValueError as e:
         if p.kwargs or "coordinator_address should be defined" not in str(e):
             raise
-        return  # JAX found no cluster: a single process
-    if jax.process_count() > 1:
-        _tag = f"shardtrain[process {jax.process_index()}/{jax.process_count()}]"
-        sys.excepthook = _report_and_exit
-        print(f"{tag()} joined via {p.source}: {jax.local_device_count()} local of {jax.device_count()} devices",
+        return LONE  # JAX found no cluster: a single process
+    cluster = Cluster(jax.process_index(), jax.process_count())
+    if cluster.several:
+        print(f"{cluster.tag} joined via {p.source}: {jax.local_device_count()} local of {jax.device_count()} devices",
               file=sys.stderr, flush=True)
-
-
-_tag = "shardtrain"
-
-
-def tag() -> str:
-    """'shardtrain' or, in a run of several processes, 'shardtrain[process i/N]' for messages."""
-    return _tag
+    return cluster
 
 
 PEER_FAILURE_SIGNS = ("Gloo", "Connection reset", "connection reset", "heartbeat", "NCCL", "DEADLINE_EXCEEDED")
 """Words in a runtime error that most likely follows from another process's death."""
-
-
-def _report_and_exit(kind, value, tb) -> None:
-    """Uncaught error in a run of several processes: print it with the process index and leave at
-    once. A normal exit would wait in JAX's shutdown barrier for peers that are stuck in a collective
-    with this process; exiting makes them notice (connection reset, or the heartbeat timeout)."""
-    text = "".join(traceback.format_exception(kind, value, tb))
-    if kind.__name__ == "JaxRuntimeError" and any(s in str(value) for s in PEER_FAILURE_SIGNS):
-        print(f"{text}{tag()}: error: a collective with another process failed ({value}). Another process most "
-              f"likely died; its own log says why. Stopping (exit {EXIT_PEER_LOST}).", file=sys.stderr, flush=True)
-        leave_after_error(EXIT_PEER_LOST)
-    print(f"{text}{tag()}: error: {kind.__name__}: {value}", file=sys.stderr, flush=True)
-    leave_after_error(EXIT_ERROR)
-
-
-def leave_after_error(code: int, wait_for_peers_s: float = 0) -> None:
-    """In a run of several processes, exits now: after an error the peers may never reach JAX's
-    shutdown barrier, and a normal exit would wait there for minutes. `wait_for_peers_s`: first wait
-    that long at a barrier for peers that hit the same error (a config mistake every process finds),
-    so none is cut off by the coordinator's exit before it has said so. A lone process returns."""
-    if _tag != "shardtrain":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if wait_for_peers_s:
-            from jax._src import distributed as jax_distributed  # the client's barrier with a timeout
-
-            try:
-                jax_distributed.global_state.client.wait_at_barrier("shardtrain_error", int(wait_for_peers_s * 1000))
-            except Exception:  # a peer did not come (another state, or dead): leave anyway
-                pass
-        os._exit(code)

@@ -12,6 +12,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # make test's workers: a persistent com
     os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), f"shardtrain-tests-{worker}")
 
 import jax  # noqa: E402
+import one_worker  # noqa: E402
 import pytest  # noqa: E402
 
 from shardtrain import config  # noqa: E402
@@ -37,9 +38,8 @@ def pytest_collection_modifyitems(items):
 
 
 # Under `pytest -n N --dist loadgroup` (make test), the tests named here run on one worker, so that what they
-# share (a module-scoped fixture, a functools.cache) is built once, not once per worker. Marks cannot say
-# it: with pytest 9.2, xdist 3.8 ignores `xdist_group` (pytest-xdist#1386), and the controller that
-# schedules sees only node ids. A prefix of a node id -> what its tests share.
+# share is built once, not once per worker (tests/one_worker.py says why not `xdist_group` marks).
+# A prefix of a node id -> what its tests share.
 ONE_WORKER = {
     "tests/test_multihost.py::": "the one- and two-process runs",
     "tests/checkpoint/test_checkpoint_e2e.py::": "the uninterrupted run",
@@ -57,12 +57,4 @@ ONE_WORKER = {
 
 
 def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadGroupScheduling
-
-    class OneWorkerGroups(LoadGroupScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return next((p for p in ONE_WORKER if nodeid.startswith(p)), None) or super()._split_scope(nodeid)
-
-    return OneWorkerGroups(config, log)
+    return one_worker.scheduler(config, log, ONE_WORKER) if config.getvalue("dist") == "loadgroup" else None

@@ -1,4 +1,10 @@
-"""How `distributed.plan` joins a run from the environment (no processes started)."""
+"""How `distributed.plan` joins a run from the environment (no processes started), and how a
+process of a run of several reports an error and leaves (in a subprocess: it ends with os._exit)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +69,35 @@ def test_slurm_tasks_on_node(spec, node, tasks):
                                         ("node[001-0015],host2", "node001"), ("node[007,009-015]", "node007")])
 def test_slurm_coordinator_is_the_first_node(nodes, host):
     assert distributed.slurm_coordinator({"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": nodes}) == f"{host}:61441"
+
+
+def test_a_lone_process_is_tagged_plainly_and_returns_from_leave():
+    assert distributed.initialize({"SHARDTRAIN_NUM_PROCESSES": "1"}) == distributed.LONE
+    assert distributed.LONE.tag == "shardtrain" and distributed.Cluster(1, 4).tag == "shardtrain[process 1/4]"
+    assert distributed.LONE.leave_after_error(2, wait_for_peers_s=10) is None  # no exit, no barrier
+
+
+ERROR = {  # what process 1 of 2 raises -> its exit code and what it prints
+    "ConfigError('mesh: needs 16 devices')": (2, "shardtrain[process 1/2]: error: mesh: needs 16 devices\n"),
+    "jax.errors.JaxRuntimeError('INTERNAL: Gloo connection reset by peer')": (
+        distributed.EXIT_PEER_LOST, "shardtrain[process 1/2]: error: a collective with another process failed"),
+    "ValueError('bad value')": (distributed.EXIT_ERROR, "shardtrain[process 1/2]: error: ValueError: bad value"),
+}
+
+
+@pytest.mark.parametrize("error", ERROR)
+def test_an_error_in_a_run_of_several_is_printed_with_the_process_and_leaves_at_once(error):
+    code = f"""
+import jax
+from shardtrain import cli, distributed
+from shardtrain.config import ConfigError
+with cli.leaving_on_error(distributed.Cluster(1, 2)):
+    raise {error}
+print("not reached")
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    want_code, want_text = ERROR[error]
+    assert r.returncode == want_code and want_text in r.stderr, r.stderr
+    assert "not reached" not in r.stdout
+    assert ("Traceback" in r.stderr) == (want_code != 2), r.stderr  # a config mistake is one line

@@ -192,6 +192,48 @@ def test_errors_are_logged_with_the_process_index(tmp_path):
     assert "needs 16 devices but 8 are present" in r.stderr
 
 
+LEAVE = """
+import sys, time
+from shardtrain import distributed
+cluster = distributed.initialize()
+time.sleep(float(sys.argv[1]))
+print("leaving", time.time(), flush=True)
+cluster.leave_after_error(3, wait_for_peers_s=float(sys.argv[2]))
+"""
+
+
+def leave_after_error(delays: tuple[float, float], wait_for_peers_s: float) -> tuple[float, list]:
+    """2 processes joined on this machine call leave_after_error after `delays` seconds each; returns
+    the time process 0 ended and when each began to leave (None: process 1 did not get there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = {"SHARDTRAIN_COORDINATOR": f"127.0.0.1:{port}", "SHARDTRAIN_NUM_PROCESSES": "2",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    procs = [subprocess.Popen([sys.executable, "-c", LEAVE, str(delay), str(wait_for_peers_s)], cwd=REPO,
+                              env={**env(), **cluster, "SHARDTRAIN_PROCESS_ID": str(i)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for i, delay in enumerate(delays)]
+    try:
+        left_0 = float(procs[0].stdout.readline().split()[1])
+        assert procs[0].wait(timeout=120) == 3
+        ended = time.time()
+        line_1 = procs[1].stdout.readline()  # none when process 0 ended first (then process 1 aborts)
+        return ended, [left_0, float(line_1.split()[1]) if line_1 else None]
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+
+
+def test_leaving_after_an_error_waits_for_peers_at_a_barrier_with_a_timeout():
+    """A process that leaves after a config error waits for its peers (so none is cut off before it
+    says why), but no longer than wait_for_peers_s when a peer never comes."""
+    ended, left = leave_after_error((0, 4), wait_for_peers_s=60)
+    assert left[1] is not None and left[1] <= ended < left[1] + 20  # released when process 1 came, not by the timeout
+    ended, left = leave_after_error((0, 60), wait_for_peers_s=3)
+    assert left[0] + 3 <= ended < left[0] + 20  # process 1 never came: gave up after 3 s
+
+
 def test_killed_two_process_run_on_tokens_resumes_mid_epoch_in_one(tmp_path, capsys):
     """A 2-process run streaming prepared tokens is SIGKILLed (both processes) mid-epoch; one
     process resumes from its last checkpoint, and every step after it has the loss the killed run

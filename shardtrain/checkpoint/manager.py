@@ -67,14 +67,20 @@ def state_handler(replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
     one eager op per shard, inside `save()`, so while the training loop waits (most of the time
     `save()` blocks: bench/README.md, Checkpoints). It pays off only when the replicas live on
     several processes, which then share the writing."""
-    default = ocp.type_handlers.get_type_handler(jax.Array)
-    arrays = ocp.type_handlers.ArrayHandler(
-        use_replica_parallel=replica_parallel,
-        array_metadata_store=getattr(default, "_array_metadata_store", None))  # as orbax's default
+    arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel,
+                                            array_metadata_store=orbax_array_metadata_store())
     others = [(t, ocp.type_handlers.get_type_handler(t)) for t in (int, float, bytes, np.number, np.ndarray, str)]
     registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays), *others)
     return ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, restore_concurrent_gb=96,
                                        type_handler_registry=registry)
+
+
+def orbax_array_metadata_store():
+    """The store of per-array metadata (`array_metadatas/`) that orbax's default jax.Array handler
+    writes. orbax 0.12.8 exports neither the store's class nor an accessor (its own
+    `resolve_array_metadata_store` reads the same private attribute), so this is the one place that
+    reads it; tests/test_checkpoint.py fails if orbax renames it. An AttributeError here is that."""
+    return ocp.type_handlers.get_type_handler(jax.Array)._array_metadata_store
 
 
 class _DrainingEventLoop(asyncio.SelectorEventLoop):
@@ -95,13 +101,22 @@ def draining_event_loops():
     Orbax runs a restore in a fresh event loop and closes it as soon as the first shard read
     fails, while the reads of the other shards are still in flight; their completions would then
     reach a closed loop ("RuntimeError: Event loop is closed", raised later from garbage
-    collection, in whatever code runs then). Waiting for them leaves no orbax work behind."""
+    collection, in whatever code runs then). Waiting for them leaves no orbax work behind.
+
+    Orbax has no setting for the loops it makes (it calls `asyncio.new_event_loop()`), so the block
+    sets the `new_event_loop` of asyncio's process-wide policy: a loop another thread creates
+    meanwhile drains too (it only waits longer when it closes). On exit the policy is as before,
+    also when blocks nest."""
     policy = asyncio.get_event_loop_policy()
+    before = vars(policy).get("new_event_loop")  # set by an enclosing block, else None
     policy.new_event_loop = _DrainingEventLoop
     try:
         yield
     finally:
-        del policy.new_event_loop
+        if before is None:
+            del policy.new_event_loop
+        else:
+            policy.new_event_loop = before
 
 
 WRITER_THREAD = "ts_pool_worker"  # the name tensorstore gives its worker threads

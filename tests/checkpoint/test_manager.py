@@ -1,6 +1,7 @@
 """Checkpoint unit tests (in process, 8 simulated devices): fit check, corrupt-step fallback,
 failed async saves, retention options, gs:// paths, the `ckpt` listing, metrics after resume."""
 
+import asyncio
 import errno
 import glob
 import json
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from orbax.checkpoint._src.path import atomicity
+from orbax.checkpoint.path import atomicity
 
 import conftest
 from shardtrain import config, loop, mesh as mesh_lib, step as step_lib
@@ -58,6 +59,31 @@ def test_checkpoint_with_other_parameter_names_lists_them(cfg_factory):
                              "model.n_kv_heads=2")).restore_latest(say=lambda _: None)
     assert "params/blocks/w_in_df: only in the checkpoint" in str(e.value)
     assert "params/blocks/attn" in str(e.value) and "missing from the checkpoint" in str(e.value)
+
+
+def test_state_keeps_orbax_default_array_metadata(cfg_factory):
+    """Our state handler writes the per-array metadata orbax's default handler writes. The store is
+    orbax's private attribute (`manager.orbax_array_metadata_store`, no public accessor in orbax
+    0.12.8): this fails when orbax renames it or stops writing through it."""
+    prog = program(cfg_factory)
+    save_steps(prog, [1])
+    assert os.listdir(f"{prog.cfg.checkpoint_dir()}/1/state/array_metadatas") == ["process_0"]
+    assert type(manager.orbax_array_metadata_store()).__name__ == "Store"
+
+
+def test_draining_event_loops_is_undone_on_exit():
+    """Inside the block (also nested) new event loops drain; after it asyncio's policy is as before."""
+    def kind():
+        loop = asyncio.new_event_loop()
+        loop.close()
+        return type(loop).__name__
+
+    with manager.draining_event_loops():
+        with manager.draining_event_loops():
+            assert kind() == "_DrainingEventLoop"
+        assert kind() == "_DrainingEventLoop"
+    assert kind() != "_DrainingEventLoop"
+    assert "new_event_loop" not in vars(asyncio.get_event_loop_policy())
 
 
 def test_truncated_and_deleted_files_fall_back_to_newest_good_step(cfg_factory, capsys):
