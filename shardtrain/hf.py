@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from shardtrain import safetensors_io
-from shardtrain.config import ConfigError, ModelConfig, RopeScalingConfig
+from shardtrain.config import ConfigError, ModelConfig, MoeConfig, RopeScalingConfig
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
@@ -124,10 +124,11 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def moe_fields(hf: dict, arch: str, where: str) -> dict:
-    """Our MoE model fields for a Mixtral / Qwen-MoE config.json ({} for a dense family)."""
+    """Our model fields for a Mixtral / Qwen-MoE config.json: `moe` (and Qwen-MoE's per-expert
+    d_ff); {} for a dense family."""
     if arch == "MixtralForCausalLM":
-        return dict(n_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
-                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
+        return dict(moe=MoeConfig(n_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+                                  router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01))))
     if arch not in QWEN_MOE:
         return {}
     if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
@@ -135,19 +136,20 @@ def moe_fields(hf: dict, arch: str, where: str) -> dict:
                           f"{hf.get('mlp_only_layers')}: dense layers between MoE layers are not supported "
                           "(only decoder_sparse_step=1, mlp_only_layers=[])")
     shared = hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
-    return dict(n_experts=hf.get("num_experts") or hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
-                d_ff=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                n_shared_experts=1 if shared else 0, shared_expert_d_ff=shared or None,
-                shared_expert_gate=bool(shared), router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    return dict(d_ff=hf["moe_intermediate_size"], moe=MoeConfig(
+        n_experts=hf.get("num_experts") or hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)), n_shared_experts=1 if shared else 0,
+        shared_expert_d_ff=shared or None, shared_expert_gate=bool(shared),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001))))
 
 
 def moe_architecture(m: ModelConfig) -> str:
     """The HF MoE family that can hold our MoE config (ConfigError if none can)."""
-    if m.qk_norm and not m.n_shared_experts:
+    if m.qk_norm and not m.moe.n_shared_experts:
         return "Qwen3MoeForCausalLM"
-    if m.n_shared_experts == 1 and m.shared_expert_gate:
+    if m.moe.n_shared_experts == 1 and m.moe.shared_expert_gate:
         return "Qwen2MoeForCausalLM"
-    if not (m.n_shared_experts or m.qkv_bias or m.qk_norm) and m.norm_topk_prob:
+    if not (m.moe.n_shared_experts or m.qkv_bias or m.qk_norm) and m.moe.norm_topk_prob:
         return "MixtralForCausalLM"
     raise ConfigError("this MoE config has no Hugging Face family (Mixtral: no shared experts, norm_topk_prob; "
                       "Qwen2-MoE: one gated shared expert; Qwen3-MoE: qk_norm, no shared experts)")
@@ -180,7 +182,7 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
     """config.json for our model config: `base` (the imported model's) updated, or a fresh one."""
     arch = ("Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias
             else "MistralForCausalLM" if m.sliding_window else "LlamaForCausalLM")
-    arch = moe_architecture(m) if m.n_experts > 1 else arch
+    arch = moe_architecture(m) if m.moe.n_experts > 1 else arch
     out = dict(base) if base else {"architectures": [arch], "model_type": SUPPORTED[arch], "hidden_act": "silu",
                                    "max_position_embeddings": 4096, "attention_bias": False}
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
@@ -192,20 +194,20 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
             rope = {"rope_type": "linear", "factor": s.factor, "rope_theta": m.rope_theta}
     out.update(vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
                num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, intermediate_size=m.d_ff,
-               head_dim=m.head_dim or m.d_model // m.n_heads, rms_norm_eps=m.rms_norm_eps,
+               head_dim=m.head_size, rms_norm_eps=m.rms_norm_eps,
                tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
-    if m.n_experts > 1:
-        out["router_aux_loss_coef"] = m.router_aux_loss_coef
+    if m.moe.n_experts > 1:
+        out["router_aux_loss_coef"] = m.moe.router_aux_loss_coef
     if arch == "MixtralForCausalLM":
-        out.update(num_local_experts=m.n_experts, num_experts_per_tok=m.experts_per_token)
+        out.update(num_local_experts=m.moe.n_experts, num_experts_per_tok=m.moe.experts_per_token)
     elif arch in QWEN_MOE:
         if "num_local_experts" in out:  # transformers 5 writes Qwen3-MoE's num_experts under this name
-            out["num_local_experts"] = m.n_experts
-        out.update(num_experts=m.n_experts, num_experts_per_tok=m.experts_per_token, moe_intermediate_size=m.d_ff,
-                   norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
-                   intermediate_size=(base or {}).get("intermediate_size", m.d_ff))
-        if m.n_shared_experts:
-            out["shared_expert_intermediate_size"] = m.shared_expert_d_ff or m.d_ff
+            out["num_local_experts"] = m.moe.n_experts
+        out.update(num_experts=m.moe.n_experts, num_experts_per_tok=m.moe.experts_per_token,
+                   moe_intermediate_size=m.d_ff, norm_topk_prob=m.moe.norm_topk_prob, decoder_sparse_step=1,
+                   mlp_only_layers=[], intermediate_size=(base or {}).get("intermediate_size", m.d_ff))
+        if m.moe.n_shared_experts:
+            out["shared_expert_intermediate_size"] = m.moe.shared_expert_d_ff or m.d_ff
     out.pop("torch_dtype", None)
     windowed = m.sliding_window is not None
     if (out.get("architectures") or [arch])[0] in ("MistralForCausalLM", "MixtralForCausalLM"):
@@ -248,7 +250,7 @@ class Entry:
 
 def tensor_map(m: ModelConfig) -> list[Entry]:
     d, h, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
-    e = m.head_dim or d // h
+    e = m.head_size
 
     def same(a):
         return a
@@ -281,7 +283,7 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
               lambda a: a.T.reshape(h, e, d), lambda a: a.reshape(h * e, d).T),
         Entry(("blocks", "mlp_norm"), layer + "post_attention_layernorm.weight", (d,), same, same),
     ]
-    if m.n_experts > 1:
+    if m.moe.n_experts > 1:
         entries += moe_entries(m)
     else:
         entries += [Entry(("blocks", "w_gate_df"), mlp + "gate_proj.weight", (f, d), tr, tr),
@@ -294,7 +296,7 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
 
 
 def moe_entries(m: ModelConfig) -> list[Entry]:
-    d, f, n = m.d_model, m.d_ff, m.n_experts
+    d, f, n = m.d_model, m.d_ff, m.moe.n_experts
 
     def tr(a):
         return a.T
@@ -307,8 +309,8 @@ def moe_entries(m: ModelConfig) -> list[Entry]:
                Entry((*moe, "w_gate_edf"), mlp + f"experts.{{j}}.{gate}.weight", (f, d), tr, tr),
                Entry((*moe, "w_up_edf"), mlp + f"experts.{{j}}.{up}.weight", (f, d), tr, tr),
                Entry((*moe, "w_down_efd"), mlp + f"experts.{{j}}.{down}.weight", (d, f), tr, tr)]
-    if m.n_shared_experts:
-        s = m.shared_expert_d_ff or m.n_shared_experts * f
+    if m.moe.n_shared_experts:
+        s = m.moe.shared_expert_d_ff or m.moe.n_shared_experts * f
         entries += [Entry((*moe, "shared_w_gate_df"), mlp + "shared_expert.gate_proj.weight", (s, d), tr, tr),
                     Entry((*moe, "shared_w_up_df"), mlp + "shared_expert.up_proj.weight", (s, d), tr, tr),
                     Entry((*moe, "shared_w_down_fd"), mlp + "shared_expert.down_proj.weight", (d, s), tr, tr),
@@ -319,7 +321,7 @@ def moe_entries(m: ModelConfig) -> list[Entry]:
 def indexed_names(entry: Entry, m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, index into our stacked parameter) for each HF tensor of `entry`."""
     layers = range(m.n_layers) if entry.layered else [None]
-    experts = range(m.n_experts) if entry.per_expert else [None]
+    experts = range(m.moe.n_experts) if entry.per_expert else [None]
     return [(entry.hf.format(i=i, j=j), tuple(x for x in (i, j) if x is not None)) for i in layers for j in experts]
 
 
