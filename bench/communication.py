@@ -32,11 +32,12 @@ from shardtrain import comm, config, hlo, loop, mesh as mesh_lib, step as step_l
 
 MODES = {
     "fp32": [],
-    "bf16": ["train.grad_reduce_dtype=bfloat16"],
-    "int8": ["train.grad_reduce_dtype=int8"],
-    "local_sgd_h4": ["train.sync=local_sgd", "train.sync_every=4"],
-    "local_sgd_h8": ["train.sync=local_sgd", "train.sync_every=8"],
-    "local_sgd_h8_bf16": ["train.sync=local_sgd", "train.sync_every=8", "train.grad_reduce_dtype=bfloat16"],
+    "bf16": ["train.comm.grad_reduce_dtype=bfloat16"],
+    "int8": ["train.comm.grad_reduce_dtype=int8"],
+    "local_sgd_h4": ["train.comm.sync=local_sgd", "train.comm.sync_every=4"],
+    "local_sgd_h8": ["train.comm.sync=local_sgd", "train.comm.sync_every=8"],
+    "local_sgd_h8_bf16": ["train.comm.sync=local_sgd", "train.comm.sync_every=8",
+                          "train.comm.grad_reduce_dtype=bfloat16"],
 }
 
 
@@ -54,7 +55,7 @@ def measure(name: str, overrides: list[str], args) -> dict:
     compiled = prog.lower().compile()
     text = compiled.as_text()
     cols, branches = hlo.collectives(text, dict(mesh.shape)), hlo.conditional_branches(text)
-    every = cfg.train.sync_every if cfg.train.sync == "local_sgd" else 1
+    every = cfg.train.comm.sync_every if cfg.train.comm.sync == "local_sgd" else 1
     compiled_data = traffic(cols, "data", every, branches)
     row = {"mode": name, "overrides": overrides,
            "data_bytes": (comm.bytes_per_step(prog).get(("data",), compiled_data) if comm.enabled(cfg)

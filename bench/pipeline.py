@@ -76,8 +76,8 @@ def main() -> None:
     for schedule, repeats in (("gpipe", 1), ("circular", 2)):
         for m in (p, 2 * p, 4 * p):
             r = measure(base + [f"mesh.pipeline={p}", f"mesh.data={jax.device_count() // p}",
-                                f"train.pipeline_schedule={schedule}", f"train.pipeline_repeats={repeats}",
-                                f"train.microbatches={m}"], args.steps)
+                                f"train.pipeline.schedule={schedule}", f"train.pipeline.repeats={repeats}",
+                                f"train.pipeline.microbatches={m}"], args.steps)
             rows.append((f"{schedule} v={repeats}", m, r))
             print(f"done {schedule} M={m}", file=sys.stderr, flush=True)
     print("| schedule | M | GFLOP/step/device raw | executed GFLOP (fit) | executed / plain | time / plain "

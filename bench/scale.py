@@ -15,6 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may compile for TPU too
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -31,7 +32,7 @@ def load(path, overrides):
     """The config, with a `hardware:` section this checkout may not know yet split off."""
     tree = yaml.safe_load(open(path))
     hardware = tree.get("hardware") or {}
-    if "hardware" not in {f.name for f in config.dataclasses.fields(config.RunConfig)}:
+    if "hardware" not in {f.name for f in dataclasses.fields(config.RunConfig)}:
         tree.pop("hardware", None)
         overrides = [o for o in overrides if not o.startswith("hardware.")]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=os.path.basename(path)[:-5] + "-") as f:

@@ -2,7 +2,7 @@
 
 One decoder, several families as configs: Llama 2/3 (rope_scaling, tie_embeddings), Mistral
 (the Llama layout, sliding_window), Qwen2/2.5 (qkv_bias) and Qwen3 (qk_norm, its own head_dim); with
-`n_experts > 1` every block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen-MoE). The rotary
+`moe.n_experts > 1` every block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen-MoE). The rotary
 layout is Hugging Face's: the head dimension is split into halves [x1, x2], rotated as
 [x1 cos - x2 sin, x2 cos + x1 sin] with frequencies theta^(-2i/E), so HF weights load unpermuted.
 
@@ -95,11 +95,15 @@ LOGICAL = {"wq_dhe": ("embed", "heads", None), "wk_dke": ("embed", "kv_heads", N
            "wv_dke": ("embed", "kv_heads", None), "wo_hed": ("heads", None, "embed"),
            "w_gate_df": ("embed", "mlp"), "w_up_df": ("embed", "mlp"), "w_down_fd": ("mlp", "embed")}
 
+LORA_TARGETS = {"wq_dhe": "q_proj", "wk_dke": "k_proj", "wv_dke": "v_proj", "wo_hed": "o_proj",
+                "w_gate_df": "gate_proj", "w_up_df": "up_proj", "w_down_fd": "down_proj"}
+"""Block weights LoRA can adapt: our parameter name -> the Hugging Face module name (either works)."""
+
 
 class Block(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
         d, h, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
-        e = cfg.head_dim or d // h
+        e = cfg.head_size
         self.theta, self.constrain, self.attention = cfg.rope_theta, constrain, cfg.attention
         self.rope_scaling, self.eps, self.window = cfg.rope_scaling, cfg.rms_norm_eps, cfg.sliding_window
         self.attn_norm = param(rngs, ones, (d,), (None,))
@@ -115,7 +119,7 @@ class Block(nnx.Module):
             self.k_norm = param(rngs, ones, (e,), (None,))
         self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), LOGICAL["wo_hed"])
         self.mlp_norm = param(rngs, ones, (d,), (None,))
-        if cfg.n_experts > 1:
+        if cfg.moe.n_experts > 1:
             self.moe = moe.Moe(cfg, rngs=rngs, constrain=constrain)
         else:
             self._dense_mlp(cfg, rngs)
@@ -240,6 +244,6 @@ class Gpt(nnx.Module):
         """Training FLOPs per token: 6N for the matmuls (forward + backward; N without a gathered
         embedding table) plus attention's scores and values, 12 L T H E. For a mixture of experts
         N counts the active parameters: each token's experts_per_token experts, not all of them."""
-        head_dims = cfg.n_heads * (cfg.head_dim or cfg.d_model // cfg.n_heads)
-        inactive = cfg.n_layers * moe.inactive_params(cfg) if cfg.n_experts > 1 else 0
+        head_dims = cfg.n_heads * cfg.head_size
+        inactive = cfg.n_layers * moe.inactive_params(cfg) if cfg.moe.n_experts > 1 else 0
         return 6 * (matmul_params(cfg, n_params) - inactive) + 12 * cfg.n_layers * seq_len * head_dims

@@ -99,25 +99,25 @@ def aux_losses(logits_bte, probs_bte, top_i_btk, cfg) -> dict:
     f_e = jax.nn.one_hot(top_i_btk, e, dtype=jnp.float32).sum(-2).mean((0, 1))
     p_e = probs_bte.mean((0, 1))
     z = jax.nn.logsumexp(logits_bte.astype(jnp.float32), axis=-1)
-    return {"moe_aux_loss": cfg.router_aux_loss_coef * e * jnp.sum(f_e * p_e),
-            "router_z_loss": cfg.router_z_loss_coef * jnp.mean(z * z)}
+    return {"moe_aux_loss": cfg.moe.router_aux_loss_coef * e * jnp.sum(f_e * p_e),
+            "router_z_loss": cfg.moe.router_z_loss_coef * jnp.mean(z * z)}
 
 
 def shared_d_ff(cfg) -> int:
     """Hidden units of the shared experts' one SwiGLU MLP."""
-    return cfg.shared_expert_d_ff or cfg.n_shared_experts * cfg.d_ff
+    return cfg.moe.shared_expert_d_ff or cfg.moe.n_shared_experts * cfg.d_ff
 
 
 def inactive_params(cfg) -> int:
     """Expert parameters of one layer a token does not multiply with (for its FLOPs)."""
-    return (cfg.n_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.d_ff
+    return (cfg.moe.n_experts - cfg.moe.experts_per_token) * 3 * cfg.d_model * cfg.d_ff
 
 
 def capacity(cfg, assignments: int) -> int | None:
     """Assignments each expert takes from one device's tokens (None: dropless)."""
-    if cfg.capacity_factor is None:
+    if cfg.moe.capacity_factor is None:
         return None
-    return max(1, math.ceil(cfg.capacity_factor * assignments / cfg.n_experts))
+    return max(1, math.ceil(cfg.moe.capacity_factor * assignments / cfg.moe.n_experts))
 
 
 def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, *, cfg):
@@ -169,34 +169,34 @@ class Moe(nnx.Module):
     """`moe(h_btd) -> (out_btd, aux)`: the MoE MLP of one decoder block."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain):
-        d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
+        d, f, e = cfg.d_model, cfg.d_ff, cfg.moe.n_experts
         self.cfg, self.constrain = cfg, constrain
         self.router_de = param(rngs, normal(d ** -0.5), (d, e), ("embed", None))
         self.w_gate_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_up_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_down_efd = param(rngs, normal(f ** -0.5 / 2), (e, f, d), W_OUT)
-        if cfg.n_shared_experts:
+        if cfg.moe.n_shared_experts:
             s = shared_d_ff(cfg)
             self.shared_w_gate_df = param(rngs, normal(d ** -0.5), (d, s), ("embed", "mlp"))
             self.shared_w_up_df = param(rngs, normal(d ** -0.5), (d, s), ("embed", "mlp"))
             self.shared_w_down_fd = param(rngs, normal(s ** -0.5 / 2), (s, d), ("mlp", "embed"))
-            if cfg.shared_expert_gate:
+            if cfg.moe.shared_expert_gate:
                 self.shared_expert_gate_d1 = param(rngs, normal(d ** -0.5), (d, 1), ("embed", None))
 
     def __call__(self, h_btd):
         c, cfg = self.constrain, self.cfg
         flat = c.size("seq") == 1
         logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32), flat=flat)
-        top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.experts_per_token, c, cfg.norm_topk_prob)
+        top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.moe.experts_per_token, c, cfg.moe.norm_topk_prob)
         aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
         local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg),
                             (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))
         out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
-        if cfg.n_shared_experts:
+        if cfg.moe.n_shared_experts:
             shared = (self.shared_w_gate_df[...], self.shared_w_up_df[...], self.shared_w_down_fd[...])
             shared_btd = swiglu(h_btd, *shared, flat)
-            if cfg.shared_expert_gate:
+            if cfg.moe.shared_expert_gate:
                 shared_btd = jax.nn.sigmoid(dense(h_btd, self.shared_expert_gate_d1[...], flat=flat)) * shared_btd
             out_btd = out_btd + shared_btd
         return c(out_btd, ("batch", "seq", None)), aux

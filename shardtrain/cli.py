@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from shardtrain import config as config_lib, distributed
@@ -37,6 +38,25 @@ def skip_absent_tpu() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+def prepare_dir(path: str, field_name: str) -> None:
+    """Creates a local output directory and checks that it can be written, so that a run_dir that
+    is a file or read-only stops before anything is compiled. gs:// paths are left to orbax."""
+    if path.startswith("gs://"):
+        return
+    p = Path(path)
+    blocker = next((q for q in [p, *p.parents] if q.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise config_lib.ConfigError(
+            f"{field_name}={path}: '{blocker}' is a file, not a directory; pick another {field_name}")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise config_lib.ConfigError(f"{field_name}={path}: cannot write there ({e.strerror or e}); "
+                                     f"pick a directory you can write, e.g. {field_name}=/tmp/run") from None
+
+
 def mesh_devices(cfg: config_lib.RunConfig) -> int:
     """The device count a mesh asks for (the CLI's default when one axis is -1)."""
     return cfg.mesh.device_count(DEFAULT_CPU_DEVICES)
@@ -47,9 +67,9 @@ def cmd_train(args) -> int:
     if cfg.checkpoint.init_from and Path(cfg.checkpoint.init_from).resolve() == Path(cfg.run_dir).resolve():
         raise config_lib.ConfigError(f"run_dir={cfg.run_dir} is checkpoint.init_from itself, so the run would resume "
                                      "from those weights' checkpoint; give the run its own run_dir=DIR")
-    config_lib.prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
+    prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
     if not cfg.checkpoint_dir().startswith("gs://"):
-        config_lib.prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
+        prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import loop
     from shardtrain.checkpoint import manager

@@ -1,7 +1,7 @@
 """Less communication across slow links: compressed gradient reduction and local SGD (DiLoCo).
 
-`step.build` hands its pieces (`Base`) to `build` here when `train.grad_reduce_dtype` is not
-float32 or `train.sync` is local_sgd; the default (float32, every_step) keeps GSPMD's step as is.
+`step.build` hands its pieces (`Base`) to `build` here when `train.comm.grad_reduce_dtype` is not
+float32 or `train.comm.sync` is local_sgd; the default (float32, every_step) keeps GSPMD's step as is.
 
 Both modes run the per-replica part of the step inside `jax.shard_map`, manual over the *pure
 data-parallel* axes (they shard the batch but no parameter: `data` with the default rules) and
@@ -15,7 +15,7 @@ auto over the others, whose reductions (FSDP, tensor) stay GSPMD's, in float32:
   quantisation dropped) stay in the state under `comm` and go into the next step, so nothing is
   lost over time: sum of applied gradients = sum of true gradients - current residuals.
   Each device sends 2(n-1)/n x (params / 4) bytes, a quarter of a float32 ring all-reduce.
-- `sync: local_sgd` (DiLoCo): every replica along `train.sync_axes` keeps its own parameters and
+- `sync: local_sgd` (DiLoCo): every replica along `train.comm.sync_axes` keeps its own parameters and
   AdamW state (`state["replicas"]`, a leading replica dimension sharded over those axes) and
   steps without any reduction over them; every `sync_every` steps the replicas' mean parameter
   delta from the outer parameters (`state["params"]`) is applied by outer Nesterov SGD (state in
@@ -53,7 +53,7 @@ class Base:
 
 
 def enabled(cfg: RunConfig) -> bool:
-    return cfg.train.grad_reduce_dtype != "float32" or cfg.train.sync != "every_step"
+    return cfg.train.comm.grad_reduce_dtype != "float32" or cfg.train.comm.sync != "every_step"
 
 
 def data_parallel_axes(cfg: RunConfig, mesh: Mesh, param_shardings) -> tuple[str, ...]:
@@ -65,25 +65,25 @@ def data_parallel_axes(cfg: RunConfig, mesh: Mesh, param_shardings) -> tuple[str
 def replica_axes(cfg: RunConfig, mesh: Mesh, param_shardings) -> tuple[str, ...]:
     """The replica axes: sync_axes for local SGD, else the data-parallel axes.
     Raises ConfigError for combinations that are not supported."""
-    t = cfg.train
+    t = cfg.train.comm
     dp = data_parallel_axes(cfg, mesh, param_shardings)
     if mesh.shape["pipeline"] > 1:
-        raise ConfigError("train.grad_reduce_dtype / train.sync=local_sgd do not support mesh.pipeline > 1 yet; "
-                          "set mesh.pipeline=1 or use the defaults (float32, every_step)")
+        raise ConfigError("train.comm.grad_reduce_dtype / train.comm.sync=local_sgd do not support mesh.pipeline > 1 "
+                          "yet; set mesh.pipeline=1 or use the defaults (float32, every_step)")
     if t.sync == "local_sgd":
         if t.grad_reduce_dtype == "int8":
-            raise ConfigError("train.grad_reduce_dtype=int8 is not supported with train.sync=local_sgd "
+            raise ConfigError("train.comm.grad_reduce_dtype=int8 is not supported with train.comm.sync=local_sgd "
                               "(the outer delta can be sent as bfloat16); use float32 or bfloat16")
         for a in t.sync_axes:
             if mesh.shape[a] > 1 and a not in dp:
-                raise ConfigError(f"train.sync_axes: mesh axis '{a}' must shard the batch and no parameter "
+                raise ConfigError(f"train.comm.sync_axes: mesh axis '{a}' must shard the batch and no parameter "
                                   f"(pure data parallelism: {', '.join(dp) or 'none on this mesh'}); "
-                                  f"change train.sync_axes or the rules")
+                                  f"change train.comm.sync_axes or the rules")
         return tuple(t.sync_axes)
     if not dp:
-        raise ConfigError(f"train.grad_reduce_dtype={t.grad_reduce_dtype} compresses the gradient reduction over "
+        raise ConfigError(f"train.comm.grad_reduce_dtype={t.grad_reduce_dtype} compresses the gradient reduction over "
                           "data-parallel mesh axes (sharding the batch, not the parameters), and this mesh has "
-                          "none of size > 1; set mesh.data > 1 or train.grad_reduce_dtype=float32")
+                          "none of size > 1; set mesh.data > 1 or train.comm.grad_reduce_dtype=float32")
     return dp
 
 
@@ -119,7 +119,7 @@ def chunk_dim(shape, spec: P, mesh: Mesh, n: int, what: str) -> int:
         shards = sharding.axes_size(mesh, spec[k] if k < len(spec) else None)
         if size % (n * shards) == 0:
             return k
-    raise ConfigError(f"train.grad_reduce_dtype=int8: parameter {what} {tuple(shape)} has no dimension divisible "
+    raise ConfigError(f"train.comm.grad_reduce_dtype=int8: parameter {what} {tuple(shape)} has no dimension divisible "
                       f"by {n} (data-parallel replicas) x its shards; use bfloat16 or change the model size")
 
 
@@ -202,14 +202,14 @@ def build(cfg: RunConfig, mesh: Mesh, base: Base) -> tuple[dict, Callable, Calla
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x.reshape(n, -1, x.shape[-1]), batch_sharding), batch)
 
-    make = local_sgd_step if cfg.train.sync == "local_sgd" else reduced_step
+    make = local_sgd_step if cfg.train.comm.sync == "local_sgd" else reduced_step
     return make(cfg, mesh, base, axes, base.make_loss_and_grads(constrain), split_batch)
 
 
 def reduced_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
     """Synchronous step whose data-parallel gradient reduction moves grad_reduce_dtype values."""
     n = sharding.axes_size(mesh, axes)
-    dtype = cfg.train.grad_reduce_dtype
+    dtype = cfg.train.comm.grad_reduce_dtype
     state_shardings = dict(base.state_shardings)
     abstract_params = jax.eval_shape(base.init, jax.random.key(0))["params"]
     param_shardings = base.state_shardings["params"]
@@ -242,14 +242,14 @@ def reduced_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
 
 
 def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    t = cfg.train
+    t = cfg.train.comm
     return optax.sgd(t.outer_learning_rate, momentum=t.outer_momentum, nesterov=True)
 
 
 def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
     """DiLoCo: independent inner steps per replica, outer Nesterov SGD on the mean delta every H steps."""
     n = sharding.axes_size(mesh, axes)
-    every = cfg.train.sync_every
+    every = cfg.train.comm.sync_every
     outer_tx = outer_optimizer(cfg)
     param_shardings = base.state_shardings["params"]
     abstract_params = jax.eval_shape(base.init, jax.random.key(0))["params"]
@@ -262,7 +262,7 @@ def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
         "replicas": jax.tree.map(lambda s: _replica_sharding(s, axes),
                                  {"params": param_shardings, "opt": base.state_shardings["opt"]}),
     }
-    mean = replica_mean(mesh, axes, cfg.train.grad_reduce_dtype, jax.tree.map(lambda s: s.spec, param_shardings))
+    mean = replica_mean(mesh, axes, cfg.train.comm.grad_reduce_dtype, jax.tree.map(lambda s: s.spec, param_shardings))
 
     def init(key):
         state = base.init(key)
@@ -306,5 +306,5 @@ def bytes_per_step(prog) -> dict[tuple[str, ...], float]:
     if not enabled(prog.cfg):
         return {}
     per_run = hlo.traffic_by_axes(hlo.lowered_collectives(prog.lower().as_text(), dict(prog.mesh.shape)))
-    every = prog.cfg.train.sync_every if prog.cfg.train.sync == "local_sgd" else 1
+    every = prog.cfg.train.comm.sync_every if prog.cfg.train.comm.sync == "local_sgd" else 1
     return {axes: b / every for axes, b in per_run.items()}

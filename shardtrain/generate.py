@@ -132,7 +132,7 @@ class Generator:
             raise config_lib.ConfigError("generate: every prompt needs at least one token")
         m = self.cfg.model
         b, p = len(prompts), max(len(x) for x in prompts)
-        e = m.head_dim or m.d_model // m.n_heads
+        e = m.head_size
         first_b = np.array([p - len(x) for x in prompts], np.int32)
         tokens_bp = np.zeros((b, p), np.int32)
         for row, x in enumerate(prompts):

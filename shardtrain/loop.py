@@ -52,16 +52,16 @@ def mode_line(cfg: config_lib.RunConfig, mesh) -> str:
     t = cfg.train
     axes = ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
     dcn = ",".join(f"{a}={getattr(cfg.mesh.dcn, a)}" for a in config_lib.MESH_AXES if getattr(cfg.mesh.dcn, a) > 1)
-    if t.sync == "local_sgd":
-        comm = (f"local SGD over {','.join(t.sync_axes)}, sync every {t.sync_every} steps in {t.grad_reduce_dtype} "
-                f"(outer lr {t.outer_learning_rate}, momentum {t.outer_momentum})")
+    if t.comm.sync == "local_sgd":
+        comm = (f"local SGD over {','.join(t.comm.sync_axes)}, sync every {t.comm.sync_every} steps in "
+                f"{t.comm.grad_reduce_dtype} (outer lr {t.comm.outer_learning_rate}, momentum {t.comm.outer_momentum})")
     else:
-        comm = f"gradients reduced every step in {t.grad_reduce_dtype}"
+        comm = f"gradients reduced every step in {t.comm.grad_reduce_dtype}"
     stages = mesh.shape.get("pipeline", 1)
     if stages > 1:
-        repeats = f", {t.pipeline_repeats} repeats" if t.pipeline_schedule == "circular" else ""
+        repeats = f", {t.pipeline.repeats} repeats" if t.pipeline.schedule == "circular" else ""
         micro = pipeline.microbatches(cfg, mesh)
-        pipe = f"pipeline {t.pipeline_schedule}, {stages} stages, {micro} micro-batches{repeats}"
+        pipe = f"pipeline {t.pipeline.schedule}, {stages} stages, {micro} micro-batches{repeats}"
     else:
         pipe = "no pipeline"
     accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""

@@ -36,7 +36,7 @@ AXIS = "pipeline"
 
 
 def _repeats(cfg: RunConfig) -> int:
-    return cfg.train.pipeline_repeats if cfg.train.pipeline_schedule == "circular" else 1
+    return cfg.train.pipeline.repeats if cfg.train.pipeline.schedule == "circular" else 1
 
 
 def _rows_per_replica(cfg: RunConfig, mesh: Mesh) -> int:
@@ -46,10 +46,10 @@ def _rows_per_replica(cfg: RunConfig, mesh: Mesh) -> int:
 
 
 def microbatches(cfg: RunConfig, mesh: Mesh) -> int:
-    """train.microbatches, or by default the largest M <= 4 P dividing each replica's rows
+    """train.pipeline.microbatches, or by default the largest M <= 4 P dividing each replica's rows
     (bubble (P-1)/(vM+P-1) <= 1/5 for GPipe), and at least P for the circular schedule."""
-    if cfg.train.microbatches is not None:
-        return cfg.train.microbatches
+    if cfg.train.pipeline.microbatches is not None:
+        return cfg.train.pipeline.microbatches
     stages, rows = mesh.shape[AXIS], _rows_per_replica(cfg, mesh)
     return max([m for m in range(1, 4 * stages + 1) if rows % m == 0] or [1])
 
@@ -61,19 +61,19 @@ def check(cfg: RunConfig, mesh: Mesh) -> tuple[int, int, int]:
     if layers % (stages * v):
         raise ConfigError(
             f"model.n_layers={layers} does not split evenly into mesh.pipeline={stages} stages x "
-            f"train.pipeline_repeats={v} repeats ({stages * v} groups of layers); make n_layers a "
-            f"multiple of {stages * v} or change mesh.pipeline / train.pipeline_repeats")
+            f"train.pipeline.repeats={v} repeats ({stages * v} groups of layers); make n_layers a "
+            f"multiple of {stages * v} or change mesh.pipeline / train.pipeline.repeats")
     m = microbatches(cfg, mesh)
     batch = t.global_batch_size // t.grad_accum_steps
     rows = _rows_per_replica(cfg, mesh)
     if m < 1 or rows % m:
         raise ConfigError(
-            f"train.microbatches={m} must divide the {rows} rows per data replica (train.global_batch_size="
+            f"train.pipeline.microbatches={m} must divide the {rows} rows per data replica (train.global_batch_size="
             f"{t.global_batch_size} / train.grad_accum_steps={t.grad_accum_steps} = {batch}, split "
             f"{batch // max(rows, 1)} ways by rules.batch); choose a divisor of {rows}")
     if v > 1 and m < stages:
-        raise ConfigError(f"train.microbatches={m} must be >= mesh.pipeline={stages} for the circular "
-                          f"schedule; raise train.microbatches or train.global_batch_size")
+        raise ConfigError(f"train.pipeline.microbatches={m} must be >= mesh.pipeline={stages} for the circular "
+                          f"schedule; raise train.pipeline.microbatches or train.global_batch_size")
     return stages, v, m
 
 

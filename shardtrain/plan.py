@@ -72,8 +72,8 @@ def pipeline_schedule(cfg: RunConfig, mesh) -> dict | None:
     if mesh.shape["pipeline"] <= 1:
         return None
     from shardtrain import pipeline
-    return {"schedule": cfg.train.pipeline_schedule, "stages": int(mesh.shape["pipeline"]),
-            "microbatches": pipeline.microbatches(cfg, mesh), "repeats": cfg.train.pipeline_repeats,
+    return {"schedule": cfg.train.pipeline.schedule, "stages": int(mesh.shape["pipeline"]),
+            "microbatches": pipeline.microbatches(cfg, mesh), "repeats": cfg.train.pipeline.repeats,
             "bubble_fraction": pipeline.bubble_fraction(cfg, mesh)}
 
 
@@ -121,7 +121,7 @@ def comm_mode(prog: step_lib.Program) -> dict | None:
     """Bytes per step over each axis for compressed reduction / local SGD (comm.bytes_per_step)."""
     if not comm.enabled(prog.cfg):
         return None
-    t = prog.cfg.train
+    t = prog.cfg.train.comm
     return {"grad_reduce_dtype": t.grad_reduce_dtype, "sync": t.sync,
             "traffic_bytes_per_step": {",".join(a): b for a, b in comm.bytes_per_step(prog).items()}}
 
@@ -280,8 +280,8 @@ def format_report(r: dict) -> str:
                      "materialises them; a flash / cuDNN kernel does not)")
     if r.get("comm_mode"):
         c = r["comm_mode"]
-        lines.append(f"train.grad_reduce_dtype={c['grad_reduce_dtype']}, train.sync={c['sync']}: per device per step "
-                     + ", ".join(f"{gib(b)} over {a}" for a, b in c["traffic_bytes_per_step"].items())
+        lines.append(f"train.comm.grad_reduce_dtype={c['grad_reduce_dtype']}, train.comm.sync={c['sync']}: per device "
+                     "per step " + ", ".join(f"{gib(b)} over {a}" for a, b in c["traffic_bytes_per_step"].items())
                      + " (ring estimate of comm.py's own collectives, lowered program: bf16 stays bf16, local SGD's "
                      "sync / sync_every; the table above shows the CPU-compiled program)")
     if r["pipeline"]:

@@ -1,6 +1,6 @@
 """`shardtrain plan --search`: every data x pipeline x fsdp x tensor mesh of N devices (and
 micro-batch counts for pipelines), ranked by the planner's estimated step time. The `expert` axis
-joins them for an MoE model (sizes dividing model.n_experts), `context` for sequences long enough
+joins them for an MoE model (sizes dividing model.moe.n_experts), `context` for sequences long enough
 to split (each device keeps 2 chunks of at least CONTEXT_MIN_CHUNK tokens). Across slices (a TPU
 multi-slice topology, or a config whose mesh.dcn joins hosts) every split of the slices over data,
 pipeline and fsdp is searched, each with every mesh of one slice's devices.
@@ -51,13 +51,13 @@ def factorisations(n: int, axes: tuple[str, ...] = BASE_AXES) -> list[dict[str, 
 def search_axes(cfg: RunConfig) -> tuple[str, ...]:
     """The mesh axes worth searching for this model: the base four, `expert` for MoE, `context`
     for long sequences."""
-    axes = BASE_AXES + (("expert",) if cfg.model.n_experts > 1 else ())
+    axes = BASE_AXES + (("expert",) if cfg.model.moe.n_experts > 1 else ())
     return axes + (("context",) if cfg.data.seq_len >= 4 * CONTEXT_MIN_CHUNK else ())
 
 
 def allowed(cfg: RunConfig, sizes: dict[str, int]) -> bool:
     """Expert sizes divide the experts; context sizes leave chunks of CONTEXT_MIN_CHUNK tokens."""
-    if sizes["expert"] > 1 and cfg.model.n_experts % sizes["expert"]:
+    if sizes["expert"] > 1 and cfg.model.moe.n_experts % sizes["expert"]:
         return False
     return sizes["context"] == 1 or cfg.data.seq_len % (2 * sizes["context"] * CONTEXT_MIN_CHUNK) == 0
 
@@ -83,15 +83,17 @@ def microbatch_counts(cfg: RunConfig, sizes: dict[str, int]) -> list[int | None]
         return [None]
     batch = cfg.train.global_batch_size // cfg.train.grad_accum_steps
     shards = sizes["data"] * sizes["fsdp"]
-    wanted = sorted({p, 2 * p, 4 * p} | ({cfg.train.microbatches} if cfg.train.microbatches else set()))
+    asked = cfg.train.pipeline.microbatches
+    wanted = sorted({p, 2 * p, 4 * p} | ({asked} if asked else set()))
     valid = [m for m in wanted if batch % m == 0 and (batch // m) % shards == 0]
-    return [m for m in valid if m != p or len(valid) == 1 or m == cfg.train.microbatches]
+    return [m for m in valid if m != p or len(valid) == 1 or m == asked]
 
 
 def candidate(cfg: RunConfig, sizes: dict[str, int], microbatches: int | None,
               dcn: dict[str, int] | None = None) -> RunConfig:
     """cfg with the mesh `sizes` (per slice when `dcn` splits axes across slices)."""
-    train = dataclasses.replace(cfg.train, microbatches=microbatches) if microbatches else cfg.train
+    pipe = dataclasses.replace(cfg.train.pipeline, microbatches=microbatches)
+    train = dataclasses.replace(cfg.train, pipeline=pipe) if microbatches else cfg.train
     new = dataclasses.replace(cfg, mesh=MeshConfig(**sizes, dcn=DcnConfig(**(dcn or {}))), train=train)
     validate(new)
     return new

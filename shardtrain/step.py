@@ -142,8 +142,8 @@ def blocks_runner(cfg: RunConfig, mesh: Mesh) -> Callable:
     (its errors name layers, stages, repeats), else a scan."""
     if mesh.shape["pipeline"] == 1:
         return scan_runner(cfg)
-    if cfg.model.n_experts > 1 or sharding.Constrain(cfg.rules, mesh).size("seq") > 1:
-        raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.n_experts > 1) or context "
+    if cfg.model.moe.n_experts > 1 or sharding.Constrain(cfg.rules, mesh).size("seq") > 1:
+        raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.moe.n_experts > 1) or context "
                           "parallelism (mesh.context > 1) yet; use mesh.pipeline=1")
     return pipeline.runner(cfg, mesh)
 
@@ -158,8 +158,8 @@ def context_order(cfg: RunConfig, mesh: Mesh) -> Callable | None:
     if n == 1:
         return None
     if comm.enabled(cfg):
-        raise ConfigError("mesh.context > 1 does not combine with train.sync=local_sgd or a compressed "
-                          "train.grad_reduce_dtype yet; use mesh.context=1")
+        raise ConfigError("mesh.context > 1 does not combine with train.comm.sync=local_sgd or a compressed "
+                          "train.comm.grad_reduce_dtype yet; use mesh.context=1")
     if cfg.data.seq_len % (2 * n):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be a multiple of 2 x the {n} ways rules.seq "
                           f"splits it (mesh.context): context parallelism gives each device two chunks")
@@ -322,9 +322,9 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
     def train_step(state, batch):
         return update(state, *loss_and_grads(state["params"], batch))
 
-    if comm.enabled(cfg) and cfg.model.n_experts > 1 and mesh.shape["expert"] > 1:
-        raise ConfigError("mesh.expert > 1 does not combine with train.sync=local_sgd or a compressed "
-                          "train.grad_reduce_dtype yet; use mesh.expert=1")
+    if comm.enabled(cfg) and cfg.model.moe.n_experts > 1 and mesh.shape["expert"] > 1:
+        raise ConfigError("mesh.expert > 1 does not combine with train.comm.sync=local_sgd or a compressed "
+                          "train.comm.grad_reduce_dtype yet; use mesh.expert=1")
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
         shardings, init, train_step = comm.build(cfg, mesh, comm.Base(shardings, init, update, make_loss))
     abstract_state = with_shardings(jax.eval_shape(init, jax.random.key(0)), shardings)

@@ -10,6 +10,7 @@ import pytest
 
 import conftest
 from shardtrain import cli
+from shardtrain.config import ConfigError
 
 TINY = [*conftest.TINY, "data.source=text", "data.seq_len=32", "train.compile_cache=false"]
 
@@ -114,10 +115,20 @@ def test_profile_range_partly_behind_a_resumed_run_traces_the_rest(tmp_path):
     (["mesh.data=1", "mesh.pipeline=2", "train.remat=full", "train.compute_dtype=bfloat16", "train.grad_accum_steps=2"],
      "mode: mesh pipeline=2,fsdp=2,tensor=2; remat full; compute bfloat16, params float32; "
      "gradients reduced every step in float32; pipeline gpipe, 2 stages, 8 micro-batches; 2 accumulation steps"),
-    (["train.sync=local_sgd", "train.sync_every=4"],
+    (["train.comm.sync=local_sgd", "train.comm.sync_every=4"],
      "local SGD over data, sync every 4 steps in float32 (outer lr 1.0, momentum 0.0)"),
 ])
 def test_start_of_a_run_says_its_mode_in_one_line(overrides, line):
     from shardtrain import config, loop, mesh as mesh_lib
     cfg = config.load("meshes/demo.yaml", overrides)
     assert line in loop.mode_line(cfg, mesh_lib.make_mesh(cfg.mesh))
+
+
+def test_run_dir_that_is_a_file_or_unwritable_is_refused(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match=f"run_dir={tmp_path}/f/run: '{tmp_path}/f' is a file, not a directory"):
+        cli.prepare_dir(str(tmp_path / "f" / "run"), "run_dir")
+    with pytest.raises(ConfigError, match="run_dir=/proc/shardtrain-run: cannot write there"):
+        cli.prepare_dir("/proc/shardtrain-run", "run_dir")
+    cli.prepare_dir(str(tmp_path / "new" / "run"), "run_dir")
+    assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())

@@ -51,7 +51,8 @@ def test_bf16_moves_half_and_int8_a_quarter_of_fp32_over_data(cfg_factory, monke
     default = build(cfg_factory)
     gspmd_compiled = data_traffic(hlo.collectives(default.lower().compile().as_text(), dict(default.mesh.shape)))
     monkeypatch.setattr(comm, "enabled", lambda cfg: True)
-    lowered = {d: build(cfg_factory, f"train.grad_reduce_dtype={d}").lower() for d in ("float32", "bfloat16", "int8")}
+    lowered = {d: build(cfg_factory, f"train.comm.grad_reduce_dtype={d}").lower()
+               for d in ("float32", "bfloat16", "int8")}
     cols = {d: hlo.lowered_collectives(lo.as_text(), dict(default.mesh.shape)) for d, lo in lowered.items()}
     f32 = data_traffic(cols["float32"])
     # Lowered program (hand-written collectives in their own dtype, per-device shapes):
@@ -69,12 +70,12 @@ def test_bf16_moves_half_and_int8_a_quarter_of_fp32_over_data(cfg_factory, monke
     int8_compiled = hlo.collectives(lowered["int8"].compile().as_text(), dict(default.mesh.shape))
     assert data_traffic(int8_compiled, "s8", 0) == f32 / 4
     assert data_traffic(int8_compiled, "s8", 0) <= 0.26 * gspmd_compiled
-    assert comm.bytes_per_step(build(cfg_factory, "train.grad_reduce_dtype=int8")) == {
+    assert comm.bytes_per_step(build(cfg_factory, "train.comm.grad_reduce_dtype=int8")) == {
         ("data",): pytest.approx(f32 / 4 + scales)}
 
 
 def test_local_sgd_syncs_only_every_h_steps(cfg_factory):
-    prog = build(cfg_factory, "train.sync=local_sgd", "train.sync_every=4")
+    prog = build(cfg_factory, "train.comm.sync=local_sgd", "train.comm.sync_every=4")
     compiled = prog.lower().compile()
     text = compiled.as_text()
     branches = hlo.conditional_branches(text)
@@ -97,8 +98,8 @@ def test_local_sgd_h1_outer_lr1_equals_synchronous_sgd(cfg_factory, monkeypatch)
     # is the synchronous step on the averaged gradient. (With AdamW it is not: Adam is nonlinear.)
     monkeypatch.setattr(optim, "make", lambda cfg: optax.sgd(optim.schedule(cfg)))
     sync_state, sync_losses = run(build(cfg_factory, "optimizer.learning_rate=0.5"), 4)
-    local = build(cfg_factory, "optimizer.learning_rate=0.5", "train.sync=local_sgd", "train.sync_every=1",
-                  "train.outer_learning_rate=1.0", "train.outer_momentum=0.0")
+    local = build(cfg_factory, "optimizer.learning_rate=0.5", "train.comm.sync=local_sgd", "train.comm.sync_every=1",
+                  "train.comm.outer_learning_rate=1.0", "train.comm.outer_momentum=0.0")
     local_state, local_losses = run(local, 4)
     np.testing.assert_allclose(local_losses, sync_losses, rtol=1e-5)
     assert sync_losses[-1] < sync_losses[0] - 0.05  # it trained
@@ -148,8 +149,8 @@ def test_int8_error_feedback_tracks_the_fp32_sum(cfg_factory):
 
 
 def test_checkpoint_carries_residuals_and_outer_state(cfg_factory):
-    for mode in ("train.grad_reduce_dtype=int8", "train.sync=local_sgd"):
-        prog = build(cfg_factory, mode, "train.sync_every=3")
+    for mode in ("train.comm.grad_reduce_dtype=int8", "train.comm.sync=local_sgd"):
+        prog = build(cfg_factory, mode, "train.comm.sync_every=3")
         state, _ = run(prog, 2)
         extra = "comm" if "int8" in mode else "replicas"
         assert extra in state and jax.tree.leaves(state[extra])
@@ -171,10 +172,11 @@ def test_checkpoint_carries_residuals_and_outer_state(cfg_factory):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["train.grad_reduce_dtype=int8", "train.sync=local_sgd"], "int8 is not supported with train.sync=local_sgd"),
-    (["train.grad_reduce_dtype=bfloat16", "mesh.data=1", "mesh.fsdp=4"], "set mesh.data > 1"),
-    (["train.sync=local_sgd", "train.sync_axes=[tensor]"], "train.sync_axes: mesh axis 'tensor'"),
-    (["train.grad_reduce_dtype=int8", "model.vocab_size=250", "model.d_model=28", "model.d_ff=60",
+    (["train.comm.grad_reduce_dtype=int8", "train.comm.sync=local_sgd"],
+     "int8 is not supported with train.comm.sync=local_sgd"),
+    (["train.comm.grad_reduce_dtype=bfloat16", "mesh.data=1", "mesh.fsdp=4"], "set mesh.data > 1"),
+    (["train.comm.sync=local_sgd", "train.comm.sync_axes=[tensor]"], "train.comm.sync_axes: mesh axis 'tensor'"),
+    (["train.comm.grad_reduce_dtype=int8", "model.vocab_size=250", "model.d_model=28", "model.d_ff=60",
       "mesh.fsdp=1", "mesh.tensor=1", "mesh.data=8"], "has no dimension divisible"),
 ])
 def test_unsupported_settings_name_the_field(cfg_factory, overrides, message):
@@ -194,6 +196,6 @@ def test_convergence_on_text_within_2_and_5_percent_of_fp32(cfg_factory):
         return np.mean(run(step.build(cfg, mesh_lib.make_mesh(cfg.mesh)), cfg.train.steps)[1][-5:])
     fp32 = last5()
     assert fp32 < 3.6  # learned something (ln 256 = 5.5 at the start)
-    assert last5("train.grad_reduce_dtype=bfloat16") <= 1.02 * fp32
-    assert last5("train.grad_reduce_dtype=int8") <= 1.02 * fp32
-    assert last5("train.sync=local_sgd", "train.sync_every=8") <= 1.05 * fp32
+    assert last5("train.comm.grad_reduce_dtype=bfloat16") <= 1.02 * fp32
+    assert last5("train.comm.grad_reduce_dtype=int8") <= 1.02 * fp32
+    assert last5("train.comm.sync=local_sgd", "train.comm.sync_every=8") <= 1.05 * fp32

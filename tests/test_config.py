@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -105,11 +107,69 @@ def test_a_directory_as_config_says_so(tmp_path):
         config.load(str(tmp_path))
 
 
-def test_run_dir_that_is_a_file_or_unwritable_is_refused(tmp_path):
-    (tmp_path / "f").write_text("")
-    with pytest.raises(ConfigError, match=f"run_dir={tmp_path}/f/run: '{tmp_path}/f' is a file, not a directory"):
-        config.prepare_dir(str(tmp_path / "f" / "run"), "run_dir")
-    with pytest.raises(ConfigError, match="run_dir=/proc/shardtrain-run: cannot write there"):
-        config.prepare_dir("/proc/shardtrain-run", "run_dir")
-    config.prepare_dir(str(tmp_path / "new" / "run"), "run_dir")
-    assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())
+MOVED = [  # the 18 flat names that moved into a section, each with its new place
+    *[(f"model.{n}", f"model.moe.{n}") for n in (
+        "n_experts", "experts_per_token", "n_shared_experts", "shared_expert_d_ff", "shared_expert_gate",
+        "norm_topk_prob", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")],
+    ("train.pipeline_schedule", "train.pipeline.schedule"), ("train.microbatches", "train.pipeline.microbatches"),
+    ("train.pipeline_repeats", "train.pipeline.repeats"),
+    *[(f"train.{n}", f"train.comm.{n}") for n in (
+        "grad_reduce_dtype", "sync", "sync_every", "sync_axes", "outer_learning_rate", "outer_momentum")],
+]
+
+
+@pytest.mark.parametrize("old, new", MOVED, ids=[old for old, _ in MOVED])
+def test_an_old_flat_name_says_where_it_moved(tmp_path, old, new):
+    message = f"{old} moved to {new}"
+    with pytest.raises(ConfigError) as e:
+        config.load("meshes/demo.yaml", [f"{old}=1"])
+    assert str(e.value) == message
+    section, name = old.split(".")
+    (tmp_path / "old.yaml").write_text(f"{section}:\n  {name}: 1\n")
+    with pytest.raises(ConfigError) as e:
+        config.load(str(tmp_path / "old.yaml"))
+    assert str(e.value) == message
+
+
+def test_an_old_flat_name_on_the_command_line_exits_2_with_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "shardtrain.cli", "train", "meshes/demo.yaml", "model.n_experts=4",
+                             f"run_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith("error: model.n_experts moved to model.moe.n_experts")
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_nested_sections_load_from_yaml_and_overrides(tmp_path):
+    (tmp_path / "nested.yaml").write_text(
+        "model:\n  moe: {n_experts: 4, experts_per_token: 1, capacity_factor: 1.5}\n"
+        "train:\n  pipeline: {schedule: circular, repeats: 2}\n  comm: {sync: local_sgd, sync_axes: [data, fsdp]}\n")
+    cfg = config.load(str(tmp_path / "nested.yaml"), [
+        "model.moe.router_z_loss_coef=0", "train.pipeline.microbatches=8", "train.comm.sync_every=4",
+        "train.comm.grad_reduce_dtype=bfloat16"])
+    moe, pipe, comm = cfg.model.moe, cfg.train.pipeline, cfg.train.comm
+    assert (moe.n_experts, moe.experts_per_token, moe.capacity_factor, moe.router_z_loss_coef) == (4, 1, 1.5, 0.0)
+    assert (moe.norm_topk_prob, moe.router_aux_loss_coef) == (True, 0.01)  # untouched fields keep their defaults
+    assert (pipe.schedule, pipe.repeats, pipe.microbatches) == ("circular", 2, 8)
+    assert (comm.sync, comm.sync_axes, comm.sync_every, comm.grad_reduce_dtype) == (
+        "local_sgd", ("data", "fsdp"), 4, "bfloat16")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.moe.n_experts=4", "model.moe.experts_per_token=5"],
+     "model.moe.experts_per_token=5 must be between 1 and model.moe.n_experts=4"),
+    (["model.moe.capacity_factor=0"], "model.moe.capacity_factor=0.0 must be > 0"),
+    (["train.pipeline.repeats=0"], "train.pipeline.repeats: must be >= 1, got 0"),
+    (["train.comm.sync_every=0"], "train.comm.sync_every: must be >= 1, got 0"),
+    (["train.comm.sync_axes=[data, slice]"], "train.comm.sync_axes: unknown mesh axis 'slice'"),
+    (["train.pipeline.schedule=zigzag"], "train.pipeline.schedule: 'zigzag' is not one of: gpipe, circular"),
+    (["train.comm.moo=1"], "unknown config key 'train.comm.moo'"),
+])
+def test_nested_fields_are_checked_under_their_new_names(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        config.load("meshes/demo.yaml", overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_head_size_is_head_dim_or_d_model_over_heads():
+    assert config.ModelConfig(d_model=128, n_heads=4).head_size == 32
+    assert config.ModelConfig(d_model=128, n_heads=4, head_dim=16).head_size == 16

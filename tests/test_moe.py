@@ -12,7 +12,7 @@ from models import moe as moe_lib, no_constraint
 from shardtrain import config, hlo, mesh as mesh_lib, step as step_lib
 
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64", "model.n_layers=2",
-         "model.n_experts=4", "model.experts_per_token=2", "data.seq_len=32", "train.global_batch_size=8",
+         "model.moe.n_experts=4", "model.moe.experts_per_token=2", "data.seq_len=32", "train.global_batch_size=8",
          "data.source=synthetic"]
 
 
@@ -32,27 +32,27 @@ def naive_mixture(layer, cfg, h_btd, capacity=None):
     probs /= probs.sum(-1, keepdims=True)
     wg, wu, wd = (np.asarray(w[...], np.float64) for w in (layer.w_gate_edf, layer.w_up_edf, layer.w_down_efd))
     out = np.zeros_like(h_nd)
-    taken = np.zeros(cfg.n_experts, int)
+    taken = np.zeros(cfg.moe.n_experts, int)
     for n, x in enumerate(h_nd):
-        top = np.argsort(-probs[n], kind="stable")[:cfg.experts_per_token]
+        top = np.argsort(-probs[n], kind="stable")[:cfg.moe.experts_per_token]
         for e in top:
             taken[e] += 1
             if capacity is not None and taken[e] > capacity:
                 continue
             g, u = x @ wg[e], x @ wu[e]
-            weight = probs[n, e] / (probs[n, top].sum() if cfg.norm_topk_prob else 1.0)
+            weight = probs[n, e] / (probs[n, top].sum() if cfg.moe.norm_topk_prob else 1.0)
             out[n] += weight * ((g / (1 + np.exp(-g)) * u) @ wd[e])
-    if cfg.n_shared_experts:
+    if cfg.moe.n_shared_experts:
         g, u = h_nd @ np.asarray(layer.shared_w_gate_df[...]), h_nd @ np.asarray(layer.shared_w_up_df[...])
         shared = (g / (1 + np.exp(-g)) * u) @ np.asarray(layer.shared_w_down_fd[...])
-        if cfg.shared_expert_gate:
+        if cfg.moe.shared_expert_gate:
             shared /= 1 + np.exp(-h_nd @ np.asarray(layer.shared_expert_gate_d1[...]))
         out += shared
     return out.reshape(h_btd.shape)
 
 
-QWEN2_MOE = ("model.n_shared_experts=1", "model.shared_expert_d_ff=48", "model.shared_expert_gate=true",
-             "model.norm_topk_prob=false")
+QWEN2_MOE = ("model.moe.n_shared_experts=1", "model.moe.shared_expert_d_ff=48", "model.moe.shared_expert_gate=true",
+             "model.moe.norm_topk_prob=false")
 
 
 @pytest.mark.parametrize("overrides", [(), QWEN2_MOE])
@@ -64,8 +64,8 @@ def test_dropless_routing_is_the_dense_mixture_of_each_tokens_top_k_experts(over
 
 
 def test_capacity_drops_assignments_past_each_experts_capacity_in_token_order():
-    cfg, layer, h_btd = layer_and_input("model.capacity_factor=0.25", t=16)
-    cap = moe_lib.capacity(cfg, 2 * 16 * cfg.experts_per_token)
+    cfg, layer, h_btd = layer_and_input("model.moe.capacity_factor=0.25", t=16)
+    cap = moe_lib.capacity(cfg, 2 * 16 * cfg.moe.experts_per_token)
     assert cap == 4  # 0.25 x 64 assignments / 4 experts
     np.testing.assert_allclose(np.asarray(jax.jit(layer)(h_btd)[0]), naive_mixture(layer, cfg, h_btd, cap), atol=1e-5)
 

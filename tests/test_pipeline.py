@@ -47,8 +47,9 @@ def mlp_reference():
 def assert_pipelines_match(reference, model, overrides, microbatches, n_devices=8, tol=1e-5):
     """Pipelined loss and gradients equal the reference's for each micro-batch count."""
     params, tokens_bt, loss_ref, grads_ref = reference
-    cfgs_meshes = [setup(model, *overrides, f"train.microbatches={m}", n_devices=n_devices)[:2] for m in microbatches]
-    prog = setup(model, *overrides, f"train.microbatches={microbatches[0]}", n_devices=n_devices)[2]
+    cfgs_meshes = [setup(model, *overrides, f"train.pipeline.microbatches={m}", n_devices=n_devices)[:2]
+                   for m in microbatches]
+    prog = setup(model, *overrides, f"train.pipeline.microbatches={microbatches[0]}", n_devices=n_devices)[2]
     results = loss_and_grads(prog, params, tokens_bt, [pipeline.runner(c, mesh) for c, mesh in cfgs_meshes])
     for m, (loss, grads) in zip(microbatches, results):
         assert abs(float(loss) - loss_ref) <= tol * abs(loss_ref), f"M={m}: loss {float(loss)} vs {loss_ref}"
@@ -60,7 +61,7 @@ def assert_pipelines_match(reference, model, overrides, microbatches, n_devices=
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("schedule", ["gpipe", "circular"])
 def test_pipeline_alone_matches_plain(mlp_reference, stages, schedule):
-    overrides = [f"mesh.pipeline={stages}", f"train.pipeline_schedule={schedule}", "train.pipeline_repeats=2"]
+    overrides = [f"mesh.pipeline={stages}", f"train.pipeline.schedule={schedule}", "train.pipeline.repeats=2"]
     assert_pipelines_match(mlp_reference, "mlp", overrides, [stages, 2 * stages, 4 * stages], n_devices=stages)
 
 
@@ -71,24 +72,24 @@ def test_pipeline_alone_matches_plain(mlp_reference, stages, schedule):
     (("mesh.pipeline=4", "mesh.tensor=2"), "gpipe", [8]),
 ])
 def test_pipeline_with_other_axes_matches_plain(mlp_reference, mesh_overrides, schedule, microbatches):
-    overrides = [*mesh_overrides, f"train.pipeline_schedule={schedule}", "train.pipeline_repeats=2"]
+    overrides = [*mesh_overrides, f"train.pipeline.schedule={schedule}", "train.pipeline.repeats=2"]
     assert_pipelines_match(mlp_reference, "mlp", overrides, microbatches)
 
 
 def test_uneven_layers_name_layers_stages_and_repeats():
-    with pytest.raises(ConfigError, match=r"n_layers=6 .*mesh.pipeline=4 stages x train.pipeline_repeats=1"):
+    with pytest.raises(ConfigError, match=r"n_layers=6 .*mesh.pipeline=4 stages x train.pipeline.repeats=1"):
         setup("mlp", "model.n_layers=6", "mesh.pipeline=4", "mesh.data=2")
-    with pytest.raises(ConfigError, match=r"n_layers=6 .*mesh.pipeline=2 stages x train.pipeline_repeats=2"):
-        setup("mlp", "model.n_layers=6", "mesh.pipeline=2", "mesh.data=4", "train.pipeline_schedule=circular",
-              "train.pipeline_repeats=2")
+    with pytest.raises(ConfigError, match=r"n_layers=6 .*mesh.pipeline=2 stages x train.pipeline.repeats=2"):
+        setup("mlp", "model.n_layers=6", "mesh.pipeline=2", "mesh.data=4", "train.pipeline.schedule=circular",
+              "train.pipeline.repeats=2")
 
 
 def test_microbatches_must_divide_the_batch_and_cover_the_stages():
-    with pytest.raises(ConfigError, match=r"train.microbatches=3 must divide the 8 rows per data replica"):
-        setup("mlp", "mesh.pipeline=2", "mesh.data=4", "train.microbatches=3")
-    with pytest.raises(ConfigError, match=r"train.microbatches=2 must be >= mesh.pipeline=4 for the circular"):
-        setup("mlp", "mesh.pipeline=4", "mesh.data=2", "train.microbatches=2", "train.pipeline_schedule=circular",
-              "train.pipeline_repeats=2")
+    with pytest.raises(ConfigError, match=r"train.pipeline.microbatches=3 must divide the 8 rows per data replica"):
+        setup("mlp", "mesh.pipeline=2", "mesh.data=4", "train.pipeline.microbatches=3")
+    with pytest.raises(ConfigError, match=r"train.pipeline.microbatches=2 must be >= mesh.pipeline=4 for the circular"):
+        setup("mlp", "mesh.pipeline=4", "mesh.data=2", "train.pipeline.microbatches=2",
+              "train.pipeline.schedule=circular", "train.pipeline.repeats=2")
 
 
 def test_default_microbatches_and_bubble_fraction():
@@ -96,10 +97,10 @@ def test_default_microbatches_and_bubble_fraction():
     demo_mesh = mesh_lib.make_mesh(demo.mesh)
     assert pipeline.microbatches(demo, demo_mesh) == 8
     assert pipeline.bubble_fraction(demo, demo_mesh) == pytest.approx(1 / 9)
-    cfg, mesh, _ = setup("mlp", "mesh.pipeline=4", "mesh.data=2", "train.microbatches=8")
+    cfg, mesh, _ = setup("mlp", "mesh.pipeline=4", "mesh.data=2", "train.pipeline.microbatches=8")
     assert pipeline.bubble_fraction(cfg, mesh) == pytest.approx(3 / 11)
-    cfg, mesh, _ = setup("mlp", "mesh.pipeline=4", "mesh.data=2", "train.microbatches=8",
-                         "train.pipeline_schedule=circular", "train.pipeline_repeats=2")
+    cfg, mesh, _ = setup("mlp", "mesh.pipeline=4", "mesh.data=2", "train.pipeline.microbatches=8",
+                         "train.pipeline.schedule=circular", "train.pipeline.repeats=2")
     assert pipeline.bubble_fraction(cfg, mesh) == pytest.approx(3 / 19)
 
 
@@ -110,8 +111,8 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
 
 
 def test_hlo_permutes_activations_and_keeps_each_stage_share():
-    cfg, mesh, prog = setup("mlp", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4",
-                            "train.pipeline_schedule=circular", "train.pipeline_repeats=2")
+    cfg, mesh, prog = setup("mlp", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "train.pipeline.microbatches=4",
+                            "train.pipeline.schedule=circular", "train.pipeline.repeats=2")
     compiled = prog.lower().compile()
     found = collectives(compiled.as_text())
     # activations: (B/M rows / fsdp, T, D) passed around the ring, forwards and backwards
@@ -152,6 +153,6 @@ def test_gpt_trains_with_pipeline_tensor_data_like_plain_run():
 def test_bfloat16_compute_pipeline_matches_plain():
     base = ["train.compute_dtype=bfloat16", "train.steps=2"]
     *_, plain = setup("mlp", *base, "mesh.data=8")
-    *_, piped = setup("mlp", *base, "mesh.pipeline=2", "mesh.fsdp=4", "train.pipeline_schedule=circular",
-                      "train.pipeline_repeats=2", "train.microbatches=2")
+    *_, piped = setup("mlp", *base, "mesh.pipeline=2", "mesh.fsdp=4", "train.pipeline.schedule=circular",
+                      "train.pipeline.repeats=2", "train.pipeline.microbatches=2")
     np.testing.assert_allclose(run_steps(piped, 2), run_steps(plain, 2), rtol=2e-2)

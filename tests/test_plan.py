@@ -184,7 +184,7 @@ def test_factorisations_are_complete_and_unique():
 def test_search_offers_expert_and_context_axes_only_where_the_model_allows():
     dense = config.load(None, ["data.seq_len=128"])
     assert search.search_axes(dense) == search.BASE_AXES
-    moe = config.load(None, ["model.n_experts=4", "data.seq_len=4096"])
+    moe = config.load(None, ["model.moe.n_experts=4", "data.seq_len=4096"])
     assert search.search_axes(moe) == (*search.BASE_AXES, "expert", "context")
     sizes = [m for m in search.factorisations(8, search.search_axes(moe)) if search.allowed(moe, m)]
     assert {m["expert"] for m in sizes} == {1, 2, 4} and {m["context"] for m in sizes} == {1, 2, 4}

@@ -1,6 +1,7 @@
 """The decoder's scale paths against the defaults: attention impls, rolled vs unrolled scan,
 gather vs one-hot embedding, packed documents (segment ids + positions), remat offload on TPU."""
 
+import dataclasses
 import os
 
 import jax
@@ -30,7 +31,7 @@ def small():
 def test_model_paths_match_default(small, field):
     cfg, tokens, ref = small
     key, value = field.split("=")
-    np.testing.assert_allclose(logits(config.dataclasses.replace(cfg, **{key: value}), tokens), ref,
+    np.testing.assert_allclose(logits(dataclasses.replace(cfg, **{key: value}), tokens), ref,
                                atol=2e-5, rtol=1e-5)
 
 
@@ -43,7 +44,7 @@ def test_packed_rows_equal_separate_documents(small):
     seg = jnp.concatenate([jnp.zeros((1, 48), jnp.int32), jnp.ones((1, 80), jnp.int32)], 1)
     pos = jnp.concatenate([jnp.arange(48), jnp.arange(80)])[None]
     for impl in ("xla", "chunked"):
-        c = config.dataclasses.replace(cfg, attention=impl)
+        c = dataclasses.replace(cfg, attention=impl)
         packed = logits(c, jnp.concatenate([a, b], 1), segment_ids_bt=seg, positions_bt=pos)
         np.testing.assert_allclose(packed[:, :48], logits(c, a), atol=2e-5, rtol=1e-5)
         np.testing.assert_allclose(packed[:, 48:], logits(c, b), atol=2e-5, rtol=1e-5)

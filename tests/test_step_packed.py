@@ -58,5 +58,5 @@ def test_pipeline_carries_packed_documents():
     2 stages x 4 micro-batches give the packed loss of the plain 2x2x2 mesh."""
     (want, want_count), _, _ = packed_loss("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     (got, count), _, _ = packed_loss("mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2",
-                                     "mesh.tensor=2", "train.microbatches=4")
+                                     "mesh.tensor=2", "train.pipeline.microbatches=4")
     assert count == want_count and abs(got - want) / want < 1e-5

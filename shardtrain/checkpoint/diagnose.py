@@ -27,9 +27,14 @@ def mismatches(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
 
 
 def config_changes(saved_config: dict, cfg: config_lib.RunConfig, sections=("model", "optimizer")) -> list[str]:
-    now = config_lib.to_dict(cfg)
-    return [f"{s}.{k}: {v!r} -> {now[s].get(k)!r}" for s in sections
-            for k, v in (saved_config.get(s) or {}).items() if now[s].get(k) != v and not isinstance(v, dict)]
+    """A line `model.moe.n_experts: 8 -> 4` for each field of `sections` (nested too) that differs."""
+    def leaves(tree: dict, prefix: str):  # tuples as lists: the saved config went through JSON
+        for k, v in tree.items():
+            yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [
+                (f"{prefix}{k}", list(v) if isinstance(v, tuple) else v)]
+    now = dict(leaves(config_lib.to_dict(cfg), ""))
+    return [f"{k}: {v!r} -> {now.get(k)!r}" for s in sections
+            for k, v in leaves(saved_config.get(s) or {}, f"{s}.") if now.get(k) != v]
 
 
 _TS_READ = re.compile(r'Error reading "(?P<key>[^"]+)" in OCDBT database at \w+ file "(?P<db>[^"]+)": (?P<why>[^;\[]*)')

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardtrain.config import ConfigError, ModelConfig, RopeScalingConfig
-from shardtrain.hf.families import Family, Moe, family_for, family_of, misfits
+from shardtrain.config import ConfigError, ModelConfig, MoeConfig, RopeScalingConfig
+from shardtrain.hf.families import Family, Moe, family_for, family_of, field_of, misfits
 
 
 def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -50,7 +50,8 @@ def rope(hf: dict, where: str) -> tuple[float, RopeScalingConfig | None]:
 
 
 def moe_fields(hf: dict, family: Family, where: str) -> dict:
-    """Our MoE model fields for a mixture-of-experts config.json ({} for a dense family)."""
+    """Our model fields for a mixture-of-experts config.json: `moe` (and d_ff, each expert's hidden
+    size, where the family names it); {} for a dense family."""
     moe = family.moe
     if moe is None:
         return {}
@@ -69,7 +70,8 @@ def moe_fields(hf: dict, family: Family, where: str) -> dict:
         shared = hf.get("shared_expert_intermediate_size", 0)
         out.update(n_shared_experts=1 if shared else 0, shared_expert_d_ff=shared or None,
                    shared_expert_gate=bool(shared))
-    return out
+    d_ff = {"d_ff": out.pop("d_ff")} if "d_ff" in out else {}
+    return {**d_ff, "moe": MoeConfig(**out)}
 
 
 def sliding_window(hf: dict, family: Family, where: str) -> int | None:
@@ -117,7 +119,7 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
     rope = rope_parameters(m)
     out.update(vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
                num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, intermediate_size=m.d_ff,
-               head_dim=m.head_dim or m.d_model // m.n_heads, rms_norm_eps=m.rms_norm_eps,
+               head_dim=m.head_size, rms_norm_eps=m.rms_norm_eps,
                tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
     if family.moe is not None:
         out.update(moe_keys(m, family.moe, out, base))
@@ -152,12 +154,12 @@ def rope_parameters(m: ModelConfig) -> dict:
 
 def moe_keys(m: ModelConfig, moe: Moe, out: dict, base: dict | None) -> dict:
     """The MoE keys of config.json (`out`: the config.json written so far)."""
-    new = {key: getattr(m, ours) for ours, keys in moe.keys.items()
+    new = {key: field_of(m, ours) for ours, keys in moe.keys.items()
            for i, key in enumerate(keys) if i == 0 or key in out}
     if moe.sparse_step:
         new.update(decoder_sparse_step=1, mlp_only_layers=[])
     if "d_ff" in moe.keys:  # d_ff is each expert's size; intermediate_size (a dense MLP's) stays
         new["intermediate_size"] = (base or {}).get("intermediate_size", m.d_ff)
-    if moe.shared_expert and m.n_shared_experts:
-        new["shared_expert_intermediate_size"] = m.shared_expert_d_ff or m.d_ff
+    if moe.shared_expert and m.moe.n_shared_experts:
+        new["shared_expert_intermediate_size"] = m.moe.shared_expert_d_ff or m.d_ff
     return new

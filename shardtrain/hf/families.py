@@ -90,18 +90,25 @@ def family_of(hf: dict, where: str) -> Family:
     return FAMILIES[arch]
 
 
+def field_of(m: ModelConfig, ours: str):
+    """One of our model fields a family's MoE keys name: `d_ff` (each expert's hidden size) is the
+    model's own, the others are model.moe's."""
+    return m.d_ff if ours == "d_ff" else getattr(m.moe, ours)
+
+
 def misfits(f: Family, m: ModelConfig) -> list[str]:
     """What of our model config family `f` cannot hold ([] if it holds it all)."""
     out = [f"qkv_bias={m.qkv_bias}"] if m.qkv_bias != f.qkv_bias else []
     out += [f"qk_norm={m.qk_norm}"] if m.qk_norm != f.qk_norm else []
     out += [f"sliding_window={m.sliding_window}"] if m.sliding_window and f.window == "never" else []
-    if (m.n_experts > 1) != (f.moe is not None):
-        return [*out, f"n_experts={m.n_experts}"]
+    e = m.moe
+    if (e.n_experts > 1) != (f.moe is not None):
+        return [*out, f"n_experts={e.n_experts}"]
     if f.moe is not None:
-        out += [f"{k}={getattr(m, k)}" for k, v in f.moe.fixed.items() if getattr(m, k) != v]
-        shared_ok = (m.n_shared_experts == 0 or (m.n_shared_experts == 1 and m.shared_expert_gate)
-                     if f.moe.shared_expert else m.n_shared_experts == 0)
-        out += [] if shared_ok else [f"n_shared_experts={m.n_shared_experts} (gate {m.shared_expert_gate})"]
+        out += [f"{k}={field_of(m, k)}" for k, v in f.moe.fixed.items() if field_of(m, k) != v]
+        shared_ok = (e.n_shared_experts == 0 or (e.n_shared_experts == 1 and e.shared_expert_gate)
+                     if f.moe.shared_expert else e.n_shared_experts == 0)
+        out += [] if shared_ok else [f"n_shared_experts={e.n_shared_experts} (gate {e.shared_expert_gate})"]
     return out
 
 

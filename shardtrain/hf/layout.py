@@ -59,7 +59,7 @@ def tr(a):
 
 def tensor_map(m: ModelConfig) -> list[Entry]:
     d, h, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
-    e = m.head_dim or d // h
+    e = m.head_size
 
     def proj(n):  # HF (n*E, D) <-> ours (D, n, E)
         return (lambda a: a.T.reshape(d, n, e)), (lambda a: a.reshape(d, n * e).T)
@@ -86,7 +86,7 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
               lambda a: a.T.reshape(h, e, d), lambda a: a.reshape(h * e, d).T),
         Entry(("blocks", "mlp_norm"), layer + "post_attention_layernorm.weight", (d,), same, same),
     ]
-    if m.n_experts > 1:
+    if m.moe.n_experts > 1:
         entries += moe_entries(m)
     else:
         entries += [Entry(("blocks", "w_gate_df"), mlp + "gate_proj.weight", (f, d), tr, tr),
@@ -99,7 +99,7 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
 
 
 def moe_entries(m: ModelConfig) -> list[Entry]:
-    d, f, n = m.d_model, m.d_ff, m.n_experts
+    d, f, n = m.d_model, m.d_ff, m.moe.n_experts
     moe = family_for(m).moe
     mlp, (gate, up, down) = "model.layers.{i}." + moe.mlp, moe.experts
     ours = ("blocks", "moe")
@@ -107,8 +107,8 @@ def moe_entries(m: ModelConfig) -> list[Entry]:
                Entry((*ours, "w_gate_edf"), mlp + f"experts.{{j}}.{gate}.weight", (f, d), tr, tr),
                Entry((*ours, "w_up_edf"), mlp + f"experts.{{j}}.{up}.weight", (f, d), tr, tr),
                Entry((*ours, "w_down_efd"), mlp + f"experts.{{j}}.{down}.weight", (d, f), tr, tr)]
-    if m.n_shared_experts:
-        s = m.shared_expert_d_ff or m.n_shared_experts * f
+    if m.moe.n_shared_experts:
+        s = m.moe.shared_expert_d_ff or m.moe.n_shared_experts * f
         entries += [Entry((*ours, "shared_w_gate_df"), mlp + "shared_expert.gate_proj.weight", (s, d), tr, tr),
                     Entry((*ours, "shared_w_up_df"), mlp + "shared_expert.up_proj.weight", (s, d), tr, tr),
                     Entry((*ours, "shared_w_down_fd"), mlp + "shared_expert.down_proj.weight", (d, s), tr, tr),
@@ -119,7 +119,7 @@ def moe_entries(m: ModelConfig) -> list[Entry]:
 def indexed_names(entry: Entry, m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, index into our stacked parameter) for each HF tensor of `entry`."""
     layers = range(m.n_layers) if entry.layered else [None]
-    experts = range(m.n_experts) if entry.per_expert else [None]
+    experts = range(m.moe.n_experts) if entry.per_expert else [None]
     return [(entry.hf.format(i=i, j=j), tuple(x for x in (i, j) if x is not None)) for i in layers for j in experts]
 
 

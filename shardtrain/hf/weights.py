@@ -146,8 +146,8 @@ def initial_state(prog, source: Source) -> dict:
     adapters (model.lora.rank > 0) start fresh (B = 0: the model starts as the source)."""
     from shardtrain import comm, optim
     if comm.enabled(prog.cfg):
-        raise config_lib.ConfigError("checkpoint.init_from: not supported with train.sync=local_sgd or a "
-                                     "compressed train.grad_reduce_dtype yet; start with the defaults")
+        raise config_lib.ConfigError("checkpoint.init_from: not supported with train.comm.sync=local_sgd or a "
+                                     "compressed train.comm.grad_reduce_dtype yet; start with the defaults")
     base_abstract, adapter_abstract = split_adapters(prog.abstract_state["params"])
     params = source.params(base_abstract, prog.cfg.model)
     if adapter_abstract:

@@ -52,6 +52,12 @@ def test_checkpoint_of_another_model_lists_mismatching_paths(cfg_factory):
     assert "model.d_model: 32 -> 64" in msg and "model.n_layers: 2 -> 3" in msg
 
 
+def test_config_changes_name_nested_fields_and_ignore_json_lists():
+    saved = json.loads(json.dumps(config.to_dict(config.load(None, ["model.moe.n_experts=8", "model.d_model=64"]))))
+    now = config.load(None, ["model.moe.n_experts=4"])
+    assert diagnose.config_changes(saved, now) == ["model.d_model: 64 -> 128", "model.moe.n_experts: 8 -> 4"]
+
+
 def test_checkpoint_with_other_parameter_names_lists_them(cfg_factory):
     save_steps(program(cfg_factory), [2])
     with pytest.raises(config.ConfigError) as e:

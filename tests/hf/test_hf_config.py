@@ -55,20 +55,23 @@ def test_published_config_files_map_to_our_fields():
                     "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                     "router_aux_loss_coef": 0.02, "sliding_window": None, "vocab_size": 32000}
     m = model_config(mixtral_8x7b)
-    assert (m.n_experts, m.experts_per_token, m.d_ff, m.norm_topk_prob, m.n_shared_experts) == (8, 2, 14336, True, 0)
+    e = m.moe
+    assert (e.n_experts, e.experts_per_token, m.d_ff, e.norm_topk_prob, e.n_shared_experts) == (8, 2, 14336, True, 0)
     qwen15_moe = {"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 5632,
                   "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
                   "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
                   "mlp_only_layers": [], "num_attention_heads": 16, "num_hidden_layers": 24,
                   "num_key_value_heads": 16, "rope_theta": 1e6, "vocab_size": 151936}
     m = model_config(qwen15_moe)
-    assert (m.n_experts, m.d_ff, m.shared_expert_d_ff, m.shared_expert_gate, m.norm_topk_prob, m.qkv_bias) == (
+    e = m.moe
+    assert (e.n_experts, m.d_ff, e.shared_expert_d_ff, e.shared_expert_gate, e.norm_topk_prob, m.qkv_bias) == (
         60, 1408, 5632, True, False, True)
     qwen3_30b_a3b = {**qwen3_8b, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128,
                      "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
                      "decoder_sparse_step": 1, "mlp_only_layers": []}
     m = model_config(qwen3_30b_a3b)
-    assert (m.n_experts, m.experts_per_token, m.d_ff, m.qk_norm, m.n_shared_experts) == (128, 8, 768, True, 0)
+    e = m.moe
+    assert (e.n_experts, e.experts_per_token, m.d_ff, m.qk_norm, e.n_shared_experts) == (128, 8, 768, True, 0)
     with pytest.raises(ConfigError, match="dense layers between MoE layers are not supported"):
         model_config({**qwen3_30b_a3b, "mlp_only_layers": [0]})
     mistral_v01 = model_config({**mistral, "sliding_window": 4096})
@@ -103,4 +106,4 @@ def test_a_model_config_no_family_holds_is_refused_not_exported_without_a_featur
     assert hf_config(windowed)["architectures"] == ["MistralForCausalLM"]
     mixtral = model_config(read_config(FIXTURES / "mixtral"))
     with pytest.raises(ConfigError, match="MixtralForCausalLM cannot hold norm_topk_prob=False"):
-        hf_config(dataclasses.replace(mixtral, norm_topk_prob=False))
+        hf_config(dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, norm_topk_prob=False)))

@@ -82,8 +82,8 @@ def test_lora_fine_tune_from_import_then_merged_export(tmp_path, capsys):
 def test_lora_config_mistakes():
     with pytest.raises(ConfigError, match="model.lora.targets: unknown weight 'q'; choose from wq_dhe, "):
         config.load(None, ["model.lora.rank=4", "model.lora.targets=[q,wq_dhe]"])
-    with pytest.raises(ConfigError, match="model.lora.rank > 0 needs train.sync=every_step"):
-        config.load(None, ["model.lora.rank=4", "train.sync=local_sgd"])
+    with pytest.raises(ConfigError, match="model.lora.rank > 0 needs train.comm.sync=every_step"):
+        config.load(None, ["model.lora.rank=4", "train.comm.sync=local_sgd"])
     lora = config.load(None, ["model.lora.rank=4", "model.lora.targets=[q_proj,w_up_df]"]).model.lora
     assert lora.target_params() == ("wq_dhe", "w_up_df")
 

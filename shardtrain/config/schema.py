@@ -1,0 +1,408 @@
+"""The run configuration's schema: typed, frozen, nested dataclasses, one per YAML section.
+
+A `RunConfig` is the one source of truth every other module reads. Each field carries its default
+and a docstring; a field that matters only under another setting sits in that setting's section
+(`model.moe`, `train.pipeline`, `train.comm`). `MOVED` lists the flat names those sections
+replaced, so that the loader can say where each went. Loading lives in `load.py`, cross-field
+checks in `validate.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A mistake in user input (config, overrides, mesh, data, checkpoint). Exit code 2."""
+
+
+MESH_AXES = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
+"""Mesh axis names, outermost (slowest, across hosts) first. `expert` and `context` sit inside
+fsdp and outside tensor: their collectives (an all-to-all per MoE layer, a ring of key/value
+blocks per attention layer) want the fast interconnect (ICI) but less of it than tensor's."""
+
+AxisRule = Optional[str | tuple[str, ...]]
+
+
+def mesh_axes(rule: AxisRule) -> tuple[str, ...]:
+    """A rule (or a PartitionSpec entry) as a tuple of mesh axes: null -> (), "fsdp" -> ("fsdp",)."""
+    return (rule,) if isinstance(rule, str) else tuple(rule or ())
+
+
+@dataclass(frozen=True)
+class DcnConfig:
+    """Sizes of each mesh axis across slices / hosts (the slow network); the ICI sizes in `mesh`
+    are per slice. The full axis size is ici x dcn. All 1 means a single slice."""
+
+    data: int = 1
+    pipeline: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh. The product of the axis sizes (x dcn) must equal the device count; one axis
+    may be -1, meaning "the remaining devices"."""
+
+    data: int = 1
+    """Data parallelism: the batch is split, parameters are replicated."""
+    pipeline: int = 1
+    """Pipeline parallelism: the stacked layers are split into this many stages."""
+    fsdp: int = 1
+    """Fully sharded data parallelism (ZeRO-3): batch and parameters split, weights gathered per layer."""
+    expert: int = 1
+    """Expert parallelism (MoE models): the experts are split; tokens travel to their experts'
+    devices with an all-to-all. Outside the MoE layers the batch is split over it too."""
+    context: int = 1
+    """Context (sequence) parallelism: each sequence is split into 2 x context chunks, device i
+    holding chunks i and 2 context - 1 - i; attention passes key/value blocks around a ring."""
+    tensor: int = 1
+    """Tensor (Megatron) parallelism: attention heads and MLP hidden units split."""
+    dcn: DcnConfig = field(default_factory=DcnConfig)
+    """Per-axis sizes across slices/hosts for a hybrid ICI x DCN mesh."""
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) * getattr(self.dcn, a) for a in MESH_AXES}
+
+    def device_count(self, default: int) -> int:
+        """The device count this mesh asks for, or `default` when one axis is -1 (any count)."""
+        sizes = self.sizes().values()
+        return math.prod(sizes) if all(s > 0 for s in sizes) else default
+
+
+@dataclass(frozen=True)
+class RulesConfig:
+    """Logical axis -> mesh axis (a name, a list of names, or null for replicated). One row per
+    logical name; models use only these names, for parameters and activations alike (the
+    `activation_*` rows name activation dimensions that no parameter has, so sharding them is a
+    rules change, not a model edit)."""
+
+    batch: AxisRule = ("data", "fsdp", "expert")
+    """Examples of a batch. Over `expert` too: outside the MoE layers the expert devices are
+    data-parallel replicas (as in MaxText and DeepSpeed-MoE), so no device repeats another's work."""
+    embed: AxisRule = ("fsdp", "expert")
+    """The model dimension of weights (ZeRO-3 / FSDP). Over `expert` too: outside the MoE layers the
+    expert devices are data-parallel replicas, so they shard those weights as well (as MaxText does)."""
+    mlp: AxisRule = "tensor"
+    heads: AxisRule = "tensor"
+    kv_heads: AxisRule = "tensor"
+    vocab: AxisRule = "tensor"
+    layers: AxisRule = "pipeline"
+    seq: AxisRule = "context"
+    """Sequence dimension of activations: split over `context`, attention runs as ring attention."""
+    experts: AxisRule = "expert"
+    """The expert dimension of MoE expert weights."""
+    expert_embed: AxisRule = "fsdp"
+    """The model dimension of MoE expert weights (not `expert`: their expert dimension holds it)."""
+    activation_embed: AxisRule = None
+    """The model dimension of activations (the residual stream x_btd); null: whole on every device."""
+    activation_head_dim: AxisRule = None
+    """The per-head dimension of attention activations (q, k, v)."""
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """Rotary frequency scaling for contexts longer than pre-training (Hugging Face `rope_scaling`)."""
+
+    type: Literal["linear", "llama3"] = "llama3"
+    """`linear`: every frequency divided by `factor`; `llama3`: Llama 3.1's low/high-frequency blend."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the pre-training context length."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters: each target weight W is used as W + (alpha / rank) * A @ B with A
+    (W's input dims, rank) and B (rank, W's output dims), sharded like W's dims; B starts at zero.
+    With rank > 0 only the adapters train (the rest is frozen) and export-hf merges them into W."""
+
+    rank: int = 0
+    """Adapter rank; 0: no adapters."""
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("wq_dhe", "wk_dke", "wv_dke", "wo_hed")
+    """Adapted block weights by parameter name (wq_dhe, w_up_df, ...) or HF module name (q_proj, up_proj, ...)."""
+
+    def target_params(self) -> tuple[str, ...]:
+        """The adapted weights by parameter name (HF module names translated); () when rank is 0."""
+        from models.gpt import LORA_TARGETS  # not at the top: see validate.validate_lora
+
+        by_hf = {v: k for k, v in LORA_TARGETS.items()}
+        return tuple(by_hf.get(t, t) for t in self.targets) if self.rank > 0 else ()
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Mixture of experts: with n_experts > 1 every block's MLP is a routed set of experts
+    (models/moe.py: Mixtral, Qwen-MoE); the other fields matter only then."""
+
+    n_experts: int = 0
+    """Experts per MoE layer (every layer's MLP; d_ff is each expert's hidden size); 0 or 1: a
+    dense MLP."""
+    experts_per_token: int = 2
+    """Experts each token is routed to (top-k, by softmax router probability)."""
+    n_shared_experts: int = 0
+    """Experts every token also passes through (DeepSeek / Qwen-MoE style), unweighted."""
+    shared_expert_d_ff: Optional[int] = None
+    """Hidden size of the shared experts' one SwiGLU MLP; default n_shared_experts x d_ff."""
+    shared_expert_gate: bool = False
+    """The shared experts' output is scaled by sigmoid(h . w), w a learned vector (Qwen2-MoE)."""
+    norm_topk_prob: bool = True
+    """The top-k router probabilities are renormalised to sum to 1 (Mixtral, Qwen3-MoE);
+    false weights each expert by its softmax probability over all experts (Qwen2-MoE's default)."""
+    capacity_factor: Optional[float] = None
+    """null routes every token (dropless); a number caps each expert at capacity_factor x
+    (tokens x experts_per_token / n_experts) assignments per expert shard's batch, dropping the rest."""
+    router_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss n_experts x sum_e (fraction of assignments to e) x
+    (mean router probability of e)."""
+    router_z_loss_coef: float = 0.001
+    """Weight of the router z-loss, the mean of logsumexp(router logits)^2 (ST-MoE)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
+    Mistral, Qwen2/2.5 and Qwen3 are configs of the one decoder `gpt` (alias `llama`)."""
+
+    name: str = "gpt"
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    d_ff: int = 512
+    """Hidden size of the (SwiGLU) MLP."""
+    rope_theta: float = 10000.0
+    attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"
+    """Attention implementation (models/attention.py): `xla` materialises the T x T scores;
+    `chunked` is flash-style plain XLA (long sequences anywhere); `splash` the Pallas TPU kernel;
+    `cudnn` cuDNN flash attention on NVIDIA GPUs; `auto`: splash on TPU, cudnn on GPU, xla on CPU."""
+    embed: Literal["gather", "one_hot"] = "gather"
+    """Token embedding: `gather` rows of the table (no B x T x V intermediate); `one_hot` a one-hot
+    matmul (shards cleanly over a vocab-sharded table; 2 V D FLOPs per token)."""
+    rope_scaling: Optional[RopeScalingConfig] = None
+    """Rotary frequency scaling (Llama 3.1+ `llama3`, or `linear`); null: none."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (Llama 1e-5, Qwen 1e-6)."""
+    tie_embeddings: bool = False
+    """The output projection is the transposed token embedding (Llama 3.2 1B/3B, small Qwens)."""
+    head_dim: Optional[int] = None
+    """Attention head size; default d_model / n_heads (Qwen3 sets its own)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2 / Qwen2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before rotary (Qwen3)."""
+    sliding_window: Optional[int] = None
+    """Sliding-window causal attention: a token attends to itself and the W - 1 tokens before it
+    (Hugging Face's `sliding_window`: Mistral, Qwen2 with use_sliding_window); null: the whole
+    causal context. Every attention implementation and generation's KV cache honour it."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture of experts (off unless moe.n_experts > 1)."""
+
+    @property
+    def head_size(self) -> int:
+        """Attention head size E: head_dim, or d_model / n_heads."""
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class MixtureEntry:
+    """One dataset of a mixture: a `shardtrain prepare` output directory and its sampling weight."""
+
+    path: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training (and held-out) tokens: where they come from and the sequence length."""
+
+    source: Literal["text", "synthetic", "tokens"] = "text"
+    """`text`: byte tokens of the files under `path`; `synthetic`: seeded learnable sequences;
+    `tokens`: the shards `shardtrain prepare` wrote to `path` (or `mixture`), documents packed into
+    windows with segment ids and positions."""
+    path: Optional[str] = None
+    """text: directory or glob of text files (default: the Python standard library's top-level .py
+    files). tokens: the directory `shardtrain prepare --out` wrote: a local path or gs://BUCKET/PATH (read by
+    byte range through tensorstore)."""
+    seq_len: int = 128
+    mixture: tuple[MixtureEntry, ...] = ()
+    """tokens: several prepared directories sampled by weight instead of `path`, e.g.
+    [{path: /data/web, weight: 0.7}, {path: /data/code, weight: 0.3}]."""
+    verify: Literal["size", "checksum"] = "size"
+    """tokens: check each shard's size against the manifest (cheap), or also its sha256 (reads
+    every shard once at start)."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    decay_steps: Optional[int] = None
+    """Cosine decay length; default: train.steps."""
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline schedule over mesh.pipeline stages (shardtrain/pipeline.py); used only when
+    mesh.pipeline > 1."""
+
+    schedule: Literal["gpipe", "circular"] = "gpipe"
+    """`gpipe`: one contiguous group of layers per stage; `circular`: `repeats` non-adjacent
+    groups per stage (bubble (P-1)/(repeats*M+P-1), needs M >= stages)."""
+    microbatches: Optional[int] = None
+    """Pipeline micro-batches M per (accumulation) step; default: the largest M <= 4 x pipeline
+    stages that divides each data replica's rows."""
+    repeats: int = 1
+    """Circular schedule: groups of layers per stage (divides the bubble by this)."""
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """How the data-parallel replicas communicate (shardtrain/comm.py). The default (float32,
+    every_step) is GSPMD's own synchronous step; anything else swaps in a hand-written one."""
+
+    grad_reduce_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+    """Dtype of the cross-replica gradient reduction (int8 keeps an error-feedback residual)."""
+    sync: Literal["every_step", "local_sgd"] = "every_step"
+    """`every_step`: replicas reduce gradients every step (synchronous data parallelism);
+    `local_sgd`: replicas along sync_axes train on their own and average their parameters every
+    sync_every steps with an outer optimizer (DiLoCo)."""
+    sync_every: int = 8
+    """local_sgd: inner steps between outer (DiLoCo) synchronisations."""
+    sync_axes: tuple[str, ...] = ("data",)
+    """local_sgd: mesh axes whose replicas train independently between synchronisations."""
+    outer_learning_rate: float = 1.0
+    """local_sgd: outer Nesterov SGD learning rate on the mean parameter delta (1.0 with momentum 0:
+    plain averaging of the replicas)."""
+    outer_momentum: float = 0.0
+    """local_sgd: outer Nesterov momentum. DiLoCo's 0.7 / 0.9 suit H in the hundreds; at H=4 on the
+    demo they overshoot (bench/README.md, Communication modes)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training loop: steps, batch, seed, precision, recomputation, evaluation and profiling,
+    with the pipeline schedule and replica communication in their own sections."""
+
+    steps: int = 200
+    seed: int = 0
+    """All randomness (init, data order) derives from this."""
+    global_batch_size: int = 32
+    grad_accum_steps: int = 1
+    """Micro-batches per step, accumulated inside the compiled step (same update as the full batch)."""
+    remat: Literal["none", "full", "dots", "dots_no_batch", "offload"] = "none"
+    """Activation recomputation policy for each layer (jax.checkpoint_policies). `offload` keeps
+    each layer's input and attention output in host memory (pinned_host) and recomputes the rest:
+    TPU / GPU only."""
+    scan_unroll: int = 1
+    """Layers per iteration of the `lax.scan` over layers: 1 keeps the compiled program and compile
+    time flat in depth; n_layers unrolls it fully (sometimes faster for small models on CPU)."""
+    loss_chunk: int = 512
+    """Sequence positions per cross-entropy chunk: the logits (B x chunk x vocab) are computed,
+    reduced and recomputed in the backward pass one chunk at a time, never for the whole sequence;
+    0 or >= seq_len: one chunk."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the forward and backward pass: the stored weights are cast to it inside the step
+    (the cross-entropy itself is taken in float32; the optimizer update uses param_dtype)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of stored (master) weights and optimizer state."""
+    log_every: int = 1
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many steps and at the last step; 0: never."""
+    eval_steps: int = 10
+    """Batches (of train.global_batch_size) per evaluation, always the split's first ones."""
+    compile_cache: bool = True
+    """JAX persistent compilation cache under ~/.cache/shardtrain/jax."""
+    profile_steps: Optional[tuple[int, int]] = None
+    """[first, last] steps to trace with jax.profiler into run_dir/profile (step numbers as in
+    metrics.jsonl: 1 <= first <= last <= steps; a resumed run traces the part still ahead)."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline schedule (used when mesh.pipeline > 1)."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """How replicas reduce gradients and synchronise (the default: float32, every step)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints: how often, how many to keep, where, and the weights to start from."""
+
+    every_steps: int = 100
+    """Save every this many steps (asynchronously); the run's last step is always saved."""
+    max_to_keep: int = 3
+    """Keep the newest this many checkpoints (plus those keep_period names)."""
+    keep_period: Optional[int] = None
+    """Also keep every step that is a multiple of this."""
+    directory: Optional[str] = None
+    """Default: run_dir/checkpoints. A local path or gs:// URL."""
+    writer_niceness: int = 19
+    """CPU niceness (0-19, Linux) of the threads that write an async save, so that it runs on CPU
+    time the training leaves idle instead of slowing the steps; 0: the training's own priority."""
+    init_from: Optional[str] = None
+    """Start from these weights (step 0, fresh optimizer state): a directory written by
+    `shardtrain import-hf`, a run directory or checkpoint step directory, or a Hugging Face model
+    directory (config.json + *.safetensors). Ignored once run_dir has checkpoints (resume wins)."""
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    """The hardware a config is made for. `shardtrain plan` plans for it when no --chip / --topology
+    is given: for a TPU topology with the TPU compiler itself (libtpu), else on the devices present."""
+
+    chip: Optional[str] = None
+    """A chip of shardtrain/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, cpu); None: the devices present."""
+    topology: Optional[str] = None
+    """TPU chips per dimension of one slice, e.g. "16x16" (v5e-256) or "4x4x8" (v5p-256); None for GPUs and cpu."""
+    slices: int = 1
+    """TPU slices of `topology` joined over DCN (multi-slice); the product of mesh.dcn equals it."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run: one section per YAML top-level key, plus where the run writes and its name."""
+
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    rules: RulesConfig = field(default_factory=RulesConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    run_dir: Optional[str] = None
+    """Where metrics, plots, the resolved config and checkpoints go. Default: runs/<config name>."""
+    name: str = "run"
+    """Run name (default: the config file's stem)."""
+
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.directory or str(Path(self.run_dir) / "checkpoints")
+
+
+MOVED: dict[type, dict[str, str]] = {
+    ModelConfig: {f.name: f"moe.{f.name}" for f in fields(MoeConfig)},
+    TrainConfig: {"pipeline_schedule": "pipeline.schedule", "microbatches": "pipeline.microbatches",
+                  "pipeline_repeats": "pipeline.repeats", **{f.name: f"comm.{f.name}" for f in fields(CommConfig)}},
+}
+"""Flat field names that moved into a section: section class -> {old name: its place in that section}.
+The loader answers an old name with its new place instead of "unknown key"."""

@@ -1,0 +1,212 @@
+"""Cross-field checks of a loaded RunConfig: one `validate_<section>` per section, run by `validate`.
+
+The loader has already checked each value's type; what is left is what needs more than one field
+(a divisor, a range, a setting that only some other setting allows). Each check raises one
+ConfigError line naming the field and the fix. Checks that need the devices live in mesh.py,
+checks that need the model's shapes in step.py / pipeline.py / comm.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+
+from shardtrain.config.schema import (
+    MESH_AXES,
+    CheckpointConfig,
+    CommConfig,
+    ConfigError,
+    DataConfig,
+    MeshConfig,
+    ModelConfig,
+    MoeConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    RulesConfig,
+    RunConfig,
+    TrainConfig,
+    mesh_axes,
+)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need more than one field; device-dependent checks live in mesh.py."""
+    validate_mesh(cfg.mesh)
+    validate_train(cfg.train, cfg.data.seq_len)
+    validate_data(cfg.data)
+    validate_optimizer(cfg.optimizer)
+    validate_checkpoint(cfg.checkpoint)
+    validate_model(cfg.model)
+    validate_lora(cfg.model, cfg.train.comm)
+    validate_run_dir(cfg.run_dir)
+    validate_hardware(cfg)
+    validate_rules(cfg.rules)
+
+
+def at_least_one(named_values) -> None:
+    for name, value in named_values:
+        if value < 1:
+            raise ConfigError(f"{name}: must be >= 1, got {value}")
+
+
+def validate_mesh(mesh: MeshConfig) -> None:
+    sizes = [getattr(mesh, a) for a in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ConfigError(f"mesh: only one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+    for axis, size in zip(MESH_AXES, sizes):
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}: size must be a positive integer or -1, got {size}")
+        if getattr(mesh.dcn, axis) < 1:
+            raise ConfigError(f"mesh.dcn.{axis}: size must be >= 1")
+
+
+def validate_train(t: TrainConfig, seq_len: int) -> None:
+    at_least_one([("train.steps", t.steps), ("train.global_batch_size", t.global_batch_size),
+                  ("train.grad_accum_steps", t.grad_accum_steps), ("train.log_every", t.log_every),
+                  ("data.seq_len", seq_len), ("train.scan_unroll", t.scan_unroll),
+                  ("train.eval_steps", t.eval_steps)])
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every: must be >= 0 (0: no evaluation), got {t.eval_every}")
+    if t.profile_steps is not None:
+        first, last = t.profile_steps
+        if not 1 <= first <= last <= t.steps:
+            raise ConfigError(f"train.profile_steps: [{first}, {last}] must be [first, last] steps with "
+                              f"1 <= first <= last <= train.steps={t.steps}, "
+                              f"e.g. [{min(3, t.steps)}, {min(5, t.steps)}]")
+    if t.loss_chunk < 0:
+        raise ConfigError(f"train.loss_chunk: must be >= 0 (0: one chunk), got {t.loss_chunk}")
+    if 0 < t.loss_chunk < seq_len and seq_len % t.loss_chunk:
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must divide data.seq_len={seq_len}; "
+                          f"choose a divisor or 0 (one chunk)")
+    if t.global_batch_size % t.grad_accum_steps:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"train.grad_accum_steps={t.grad_accum_steps}")
+    validate_pipeline(t.pipeline)
+    validate_comm(t.comm)
+
+
+def validate_pipeline(p: PipelineConfig) -> None:
+    at_least_one([("train.pipeline.repeats", p.repeats)])
+
+
+def validate_comm(c: CommConfig) -> None:
+    at_least_one([("train.comm.sync_every", c.sync_every)])
+    for axis in c.sync_axes:
+        if axis not in MESH_AXES:
+            raise ConfigError(f"train.comm.sync_axes: unknown mesh axis '{axis}'; mesh axes: {', '.join(MESH_AXES)}")
+
+
+def validate_data(d: DataConfig) -> None:
+    if d.mixture and d.source != "tokens":
+        raise ConfigError(f"data.mixture needs data.source=tokens, got data.source={d.source}")
+    if d.mixture and d.path is not None:
+        raise ConfigError("data.path and data.mixture are both set; give one of them")
+    if any(e.weight <= 0 for e in d.mixture):
+        raise ConfigError(f"data.mixture: weights must be > 0, got {[e.weight for e in d.mixture]}")
+    if d.source == "tokens" and d.path is None and not d.mixture:
+        raise ConfigError("data.source=tokens needs data.path=DIR (a `shardtrain prepare --out DIR`) or data.mixture")
+
+
+def validate_optimizer(o: OptimizerConfig) -> None:
+    for name, ok, want in [
+        ("learning_rate", o.learning_rate > 0, "> 0, e.g. 3e-3"),
+        ("b1", 0 <= o.b1 < 1, "in [0, 1), e.g. 0.9"),
+        ("b2", 0 <= o.b2 < 1, "in [0, 1), e.g. 0.95"),
+        ("weight_decay", o.weight_decay >= 0, ">= 0 (0 turns it off)"),
+        ("grad_clip", o.grad_clip > 0, "> 0, e.g. 1.0"),
+        ("warmup_steps", o.warmup_steps >= 0, ">= 0"),
+        ("decay_steps", o.decay_steps is None or o.decay_steps >= 1, ">= 1 (or null: train.steps)"),
+        ("min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+    ]:
+        if not ok:
+            raise ConfigError(f"optimizer.{name}: must be {want}, got {getattr(o, name)}")
+
+
+def validate_checkpoint(c: CheckpointConfig) -> None:
+    at_least_one([("checkpoint.every_steps", c.every_steps)])
+    if not 0 <= c.writer_niceness <= 19:
+        raise ConfigError(f"checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), "
+                          f"got {c.writer_niceness}")
+
+
+def validate_model(m: ModelConfig) -> None:
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if m.sliding_window is not None and m.sliding_window < 1:
+        raise ConfigError(f"model.sliding_window: must be >= 1 (or null: the whole context), got {m.sliding_window}")
+    validate_moe(m.moe)
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
+                          "(or set model.head_dim)")
+
+
+def validate_moe(e: MoeConfig) -> None:
+    if e.n_experts > 1 and not 1 <= e.experts_per_token <= e.n_experts:
+        raise ConfigError(f"model.moe.experts_per_token={e.experts_per_token} must be between 1 and "
+                          f"model.moe.n_experts={e.n_experts}")
+    if e.n_experts < 0 or e.n_shared_experts < 0:
+        raise ConfigError("model.moe.n_experts and model.moe.n_shared_experts must be >= 0")
+    if e.capacity_factor is not None and e.capacity_factor <= 0:
+        raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be > 0, or null for dropless routing")
+
+
+def validate_lora(m: ModelConfig, comm: CommConfig) -> None:
+    # Imported here, not at the top: the CLI imports this package before it picks jax's platform
+    # (cli.skip_absent_tpu), and importing models imports jax.
+    from models.gpt import LORA_TARGETS
+
+    lora = m.lora
+    for target in lora.targets:
+        if target not in LORA_TARGETS and target not in LORA_TARGETS.values():
+            raise ConfigError(f"model.lora.targets: unknown weight '{target}'; choose from "
+                              f"{', '.join(LORA_TARGETS)} (or {', '.join(LORA_TARGETS.values())})")
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {lora.rank}")
+    if lora.rank > 0 and (comm.sync != "every_step" or comm.grad_reduce_dtype != "float32"):
+        raise ConfigError("model.lora.rank > 0 needs train.comm.sync=every_step and "
+                          "train.comm.grad_reduce_dtype=float32 "
+                          "(LoRA with local SGD or compressed gradients is not supported yet)")
+    moe_lora = [p for p in lora.target_params() if p.startswith("w_") and p.endswith(("_df", "_fd"))]
+    if m.moe.n_experts > 1 and moe_lora:
+        raise ConfigError(f"model.lora.targets: {', '.join(moe_lora)} are dense-MLP weights, which an MoE model "
+                          "(model.moe.n_experts > 1) does not have; adapt attention weights only")
+
+
+def validate_run_dir(run_dir: str | None) -> None:
+    if str(run_dir).startswith("gs://"):
+        raise ConfigError(f"run_dir={run_dir}: must be a local directory (metrics, plots); put "
+                          "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")
+
+
+def validate_hardware(cfg: RunConfig) -> None:
+    from shardtrain.chips import CHIPS  # figures only: imports nothing from shardtrain
+
+    hw = cfg.hardware
+    if hw.chip is not None and hw.chip not in CHIPS:
+        close = difflib.get_close_matches(hw.chip, CHIPS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"hardware.chip: unknown chip '{hw.chip}'{hint}; known: {', '.join(CHIPS)}")
+    if hw.slices < 1:
+        raise ConfigError(f"hardware.slices: must be >= 1, got {hw.slices}")
+    if hw.topology is None:
+        if hw.slices > 1:
+            raise ConfigError("hardware.slices > 1 needs hardware.topology (the chips of one slice, e.g. 4x4x8)")
+        return
+    if hw.chip is None or CHIPS[hw.chip].tpu_name is None:
+        raise ConfigError(f"hardware.topology={hw.topology}: needs hardware.chip to name a TPU (v4, v5e, v5p, v6e)")
+    dims = hw.topology.split("x")
+    if not 2 <= len(dims) <= 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ConfigError(f"hardware.topology={hw.topology!r}: expected chips per dimension, e.g. 16x16 or 4x4x8")
+    dcn = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
+    if dcn > 1 and dcn != hw.slices:
+        raise ConfigError(f"mesh.dcn: its product {dcn} must equal hardware.slices={hw.slices} "
+                          "(the DCN axes run across the slices)")
+
+
+def validate_rules(rules: RulesConfig) -> None:
+    for logical in dataclasses.fields(RulesConfig):
+        for axis in mesh_axes(getattr(rules, logical.name)):
+            if axis not in MESH_AXES:
+                raise ConfigError(f"rules.{logical.name}: unknown mesh axis '{axis}'; "
+                                  f"mesh axes: {', '.join(MESH_AXES)}")
