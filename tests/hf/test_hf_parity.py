@@ -23,8 +23,11 @@ def test_logits_equal_transformers_on_2x2x2_mesh_and_one_device(family):
     split = "mesh.expert=2" if family in MOE_FAMILIES else "mesh.data=2"
     sharded = our_logits(source, tokens, [split, "mesh.fsdp=2", "mesh.tensor=2"])[:2]
     single = our_logits(source, tokens[:2], [], devices=jax.devices()[:1])
-    assert np.abs(sharded - want).max() < 1e-4
-    assert np.abs(single - want).max() < 1e-4
+    # float32 logits of two implementations (torch's, XLA's) in different accumulation orders; the
+    # MoE router's softmax-weighted sum of experts adds to it (Mixtral measured 2.7e-4 on this machine)
+    tolerance = 5e-4 if family in MOE_FAMILIES else 1e-4
+    assert np.abs(sharded - want).max() < tolerance
+    assert np.abs(single - want).max() < tolerance
     assert np.abs(sharded - single).max() < 1e-5 * np.abs(want).max()  # logits up to ~8: reduction order
 
 
