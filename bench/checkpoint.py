@@ -72,8 +72,8 @@ def main() -> None:
     ckpts = {}
     for name, replica_parallel in variants.items():  # one checkpoint directory per variant
         run_dir = os.path.join(root, name.replace(" ", "_"))
-        ckpts[name] = checkpoint.Checkpointer(
-            dataclasses.replace(prog, cfg=dataclasses.replace(cfg, run_dir=run_dir)), replica_parallel)
+        ckpts[name] = checkpoint.Checkpointer(dataclasses.replace(cfg, run_dir=run_dir), prog.abstract_state,
+                                              prog.mesh.shape, replica_parallel)
 
     def train_step() -> float:
         nonlocal state

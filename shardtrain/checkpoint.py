@@ -9,8 +9,10 @@ resolved config. Nothing else is needed to continue exactly:
   pipeline's whole state is one integer, the global sample position. A grain iterator state
   would add nothing and would tie the checkpoint to one process count (grain's state is per
   process); the global position resumes on any number of processes and devices.
-Restoring targets the shardings of the *current* config (`prog.abstract_state`), so a run
-resumes onto another mesh shape or device count without hand-written restore arguments.
+Restoring targets the shardings of the *current* config (the `abstract_state` a Checkpointer is
+given, `step.Program.abstract_state`), so a run resumes onto another mesh shape or device count
+without hand-written restore arguments. This module knows nothing of the step builder: it takes
+the config, the abstract state and the mesh shape.
 
 Safety: only committed steps (orbax writes `N.orbax-checkpoint-tmp`, then `commit_success.txt`
 and an atomic rename) are restored. A committed step that fails to read (files truncated or
@@ -45,7 +47,6 @@ import yaml
 from etils import epath
 
 from shardtrain import config as config_lib, sharding
-from shardtrain.step import Program
 
 UNUSABLE_DIR = "unusable"
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -210,11 +211,12 @@ def damaged_files(step_dir: epath.Path, size: int | None = None) -> list[str]:
 
 
 class Checkpointer:
-    def __init__(self, prog: Program, replica_parallel: bool | None = None):
-        """replica_parallel: split the writing of replicated arrays among their replicas;
-        by default only when there are several processes (see `state_handler`)."""
-        cfg = prog.cfg
-        self.prog, self.cfg = prog, cfg
+    def __init__(self, cfg: config_lib.RunConfig, abstract_state, mesh_shape, replica_parallel: bool | None = None):
+        """cfg: the run's (directory, retention, the metadata saved); abstract_state: ShapeDtypeStructs
+        with shardings that restores fill; mesh_shape: axis -> size, recorded with each step.
+        replica_parallel: split the writing of replicated arrays among their replicas; by default
+        only when there are several processes (see `state_handler`)."""
+        self.cfg, self.abstract_state, self.mesh_shape = cfg, abstract_state, dict(mesh_shape)
         self.dir = directory(cfg)
         c = cfg.checkpoint
         self.uncommitted = [s.step for s in scan(self.dir) if s.state == "uncommitted"]
@@ -239,7 +241,7 @@ class Checkpointer:
         saved = self.manager.item_metadata(step)["state"]
         if saved is None:
             raise FileNotFoundError("its array metadata (state/_METADATA) is missing")
-        bad = mismatches(leaf_shapes(saved.tree), leaf_shapes(self.prog.abstract_state))
+        bad = mismatches(leaf_shapes(saved.tree), leaf_shapes(self.abstract_state))
         if bad:
             meta = read_meta(epath.Path(self.dir) / str(step))
             changes = config_changes(meta.get("config", {}), self.cfg) if meta else []
@@ -250,7 +252,7 @@ class Checkpointer:
                 "\nResume with the config it was written with, or use another run_dir / checkpoint.directory.")
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(
-                self.prog.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.prog.abstract_state)),
+                self.abstract_state, ocp.checkpoint_utils.construct_restore_args(self.abstract_state)),
             meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
@@ -306,7 +308,7 @@ class Checkpointer:
         meta = {
             "step": step,
             "data_position": step * self.cfg.train.global_batch_size,
-            "mesh": dict(self.prog.mesh.shape),
+            "mesh": self.mesh_shape,
             "devices": jax.device_count(),
             "processes": jax.process_count(),
             "config": config_lib.to_dict(self.cfg),

@@ -14,7 +14,6 @@ import math
 from pathlib import Path
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardtrain import config as config_lib, data
 from shardtrain.config import ConfigError, RunConfig
@@ -22,19 +21,18 @@ from shardtrain.step import Program
 
 
 class Evaluator:
+    """The held-out loss of a program's parameters, through its `eval_step`."""
+
     def __init__(self, prog: Program):
-        self.prog, cfg = prog, prog.cfg
-        self.dataset = data.eval_samples(cfg)  # a missing eval split fails before anything is compiled
-        replicated = NamedSharding(prog.mesh, P())
-        self.loss_sums = jax.jit(prog.loss_sums, out_shardings=(replicated, replicated),
-                                 in_shardings=(prog.state_shardings["params"], prog.batch_sharding))
+        self.prog = prog
+        self.dataset = data.eval_samples(prog.cfg)  # a missing eval split fails before anything is compiled
 
     def __call__(self, params) -> dict[str, float]:
         cfg = self.prog.cfg
         total = count = 0.0
         batches = data.batches(self.dataset, cfg.train.global_batch_size, self.prog.local_rows(), 0,
                                cfg.train.eval_steps, data.read_threads(cfg))
-        sums = [self.loss_sums(params, self.prog.device_batch(batch)) for _, batch in batches]
+        sums = [self.prog.eval_step(params, self.prog.device_batch(batch)) for _, batch in batches]
         for loss_sum, n in sums:
             total, count = total + float(loss_sum), count + float(n)
         loss = total / max(count, 1.0)
@@ -65,7 +63,7 @@ def main(cfg: RunConfig, checkpoint_path: str) -> int:
     data.eval_samples(cfg)  # data errors before compiling
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     evaluator = Evaluator(prog)
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpoint.Checkpointer(cfg, prog.abstract_state, prog.mesh.shape)
     try:
         if step is None:
             step = ckpt.latest_step()

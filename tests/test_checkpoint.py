@@ -24,8 +24,12 @@ def program(cfg_factory, *overrides):
     return step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
 
 
+def checkpointer(prog):
+    return checkpoint.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)
+
+
 def save_steps(prog, steps):
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     state = prog.init(0)
     for s in steps:
         ckpt.save(s, state)
@@ -38,7 +42,7 @@ def test_checkpoint_of_another_model_lists_mismatching_paths(cfg_factory):
     save_steps(program(cfg_factory), [2])
     other = program(cfg_factory, "model.d_model=64", "model.n_layers=3")
     with pytest.raises(config.ConfigError) as e:
-        checkpoint.Checkpointer(other).restore_latest(say=lambda _: None)
+        checkpointer(other).restore_latest(say=lambda _: None)
     msg = str(e.value)
     assert "checkpoint step 2" in msg and "does not fit" in msg
     assert "params/blocks/w_in_df: checkpoint (2, 32, 64), this config (3, 64, 64)" in msg
@@ -49,7 +53,7 @@ def test_checkpoint_of_another_model_lists_mismatching_paths(cfg_factory):
 def test_checkpoint_with_other_parameter_names_lists_them(cfg_factory):
     save_steps(program(cfg_factory), [2])
     with pytest.raises(config.ConfigError) as e:
-        checkpoint.Checkpointer(program(cfg_factory, "model.name=gpt", "model.n_heads=2",
+        checkpointer(program(cfg_factory, "model.name=gpt", "model.n_heads=2",
                                         "model.n_kv_heads=2")).restore_latest(say=lambda _: None)
     assert "params/blocks/w_in_df: only in the checkpoint" in str(e.value)
     assert "params/blocks/attn" in str(e.value) and "missing from the checkpoint" in str(e.value)
@@ -64,7 +68,7 @@ def test_truncated_and_deleted_files_fall_back_to_newest_good_step(cfg_factory, 
     os.remove(f"{root}/4/state/_METADATA")
     os.makedirs(f"{root}/8.orbax-checkpoint-tmp/state")  # a save killed half-way
 
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     said = []
     _, meta = ckpt.restore_latest(say=said.append)
     assert meta["step"] == 2 and meta["data_position"] == 2 * 8
@@ -82,7 +86,7 @@ def test_truncated_and_deleted_files_fall_back_to_newest_good_step(cfg_factory, 
     ckpt.wait()
     assert ckpt.manager.all_steps() == [2, 4, 6]
     assert sorted(os.listdir(f"{root}/unusable")) == ["4", "6"]
-    assert checkpoint.Checkpointer(prog).restore_latest(say=said.append)[1]["step"] == 6
+    assert checkpointer(prog).restore_latest(say=said.append)[1]["step"] == 6
 
     assert checkpoint.list_main(prog.cfg.run_dir) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
@@ -98,7 +102,7 @@ def test_no_readable_checkpoint_stops_without_moving_anything(cfg_factory):
     os.remove(f"{root}/2/meta/metadata")
     with pytest.raises(config.ConfigError, match="(?s)none of the committed checkpoints .* step 2: "
                                                  "[^\\n]*/2/meta/metadata is missing.*Nothing was moved"):
-        checkpoint.Checkpointer(prog).restore_latest(say=lambda _: None)
+        checkpointer(prog).restore_latest(say=lambda _: None)
     assert sorted(os.listdir(root)) == ["2"]
 
 
@@ -108,7 +112,7 @@ def test_newest_corrupt_step_falls_back_and_good_steps_survive_later_saves(cfg_f
     root = prog.cfg.checkpoint_dir()
     for f in glob.glob(f"{root}/4/state/ocdbt.process_0/d/*"):
         os.remove(f)
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     said = []
     _, meta = ckpt.restore_latest(say=said.append)
     assert meta["step"] == 2 and len(said) == 1 and "step 4 is unusable" in said[0]
@@ -120,7 +124,7 @@ def test_newest_corrupt_step_falls_back_and_good_steps_survive_later_saves(cfg_f
 def test_failed_async_save_stops_the_run_and_keeps_good_steps(cfg_factory, monkeypatch):
     prog = program(cfg_factory, "checkpoint.max_to_keep=1")
     state = save_steps(prog, [1])
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
 
     async def disk_full(self):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -159,7 +163,7 @@ def test_failed_async_save_stops_the_training_loop(cfg_factory, monkeypatch, cap
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread niceness is Linux's")
 def test_async_save_writes_at_low_cpu_priority(cfg_factory):
     prog = program(cfg_factory, "checkpoint.writer_niceness=19")
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     state = prog.init(0)
     for step in (1, 2):  # threads tensorstore starts late in one save are lowered in the next
         ckpt.save(step, state)
@@ -197,12 +201,12 @@ def test_gs_directory_is_passed_to_orbax_untouched(cfg_factory, monkeypatch):
     monkeypatch.setattr(checkpoint, "scan", lambda d: [])
     monkeypatch.setattr(ocp, "CheckpointManager", Manager)
     monkeypatch.setattr(checkpoint.importlib.util, "find_spec", lambda name: name == "gcsfs")
-    checkpoint.Checkpointer(prog)
+    checkpointer(prog)
     assert seen["directory"] == "gs://bucket/runs/x"
     assert seen["options"].max_to_keep == 5 and seen["options"].keep_period == 100
     monkeypatch.setattr(checkpoint.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(config.ConfigError, match="checkpoint.directory=gs://bucket/runs/x: .*gcsfs"):
-        checkpoint.Checkpointer(prog)
+        checkpointer(prog)
     with pytest.raises(config.ConfigError, match="run_dir=gs://b/r: must be a local directory"):
         config.load(None, ["run_dir=gs://b/r"])
 
@@ -253,7 +257,7 @@ def test_restored_state_is_bitwise_the_saved_one_on_another_mesh(cfg_factory):
     prog = program(cfg_factory)
     state = save_steps(prog, [3])
     other = program(cfg_factory, "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1")
-    restored, meta = checkpoint.Checkpointer(other).restore_latest(say=lambda _: None)
+    restored, meta = checkpointer(other).restore_latest(say=lambda _: None)
     assert meta["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     for a, b, s in zip(jax.tree.leaves(state), jax.tree.leaves(restored), jax.tree.leaves(other.state_shardings)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -271,7 +275,7 @@ def test_damaged_step_messages_name_the_file(cfg_factory):
     os.truncate(root / "3/state/_METADATA", 100)
     for f in glob.glob(f"{root}/4/state/ocdbt.process_0/d/*"):
         os.remove(f)
-    ckpt = checkpoint.Checkpointer(prog)
+    ckpt = checkpointer(prog)
     expected = {1: f"{big} is truncated (", 2: f"{root}/2/state/manifest.ocdbt is missing",
                 3: f"{root}/3/state/_METADATA is not valid JSON",
                 4: f"a data file under {root}/4/state/ocdbt.process_*/d is missing or damaged: array "}

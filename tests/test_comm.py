@@ -152,7 +152,7 @@ def test_checkpoint_carries_residuals_and_outer_state(cfg_factory):
         state, _ = run(prog, 2)
         extra = "comm" if "int8" in mode else "replicas"
         assert extra in state and jax.tree.leaves(state[extra])
-        ckpt = checkpoint.Checkpointer(prog)
+        ckpt = checkpoint.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)
         ckpt.save(2, state)
         ckpt.wait()
         restored, _ = ckpt.restore(2)

@@ -38,11 +38,9 @@ def our_logits(source, tokens_bt, mesh_overrides, devices=None, run_dir="/tmp/un
     """Our model's logits for `source`'s weights on a mesh."""
     cfg = config.load(None, [*mesh_overrides, "train.global_batch_size=8", f"run_dir={run_dir}"])
     cfg = dataclasses.replace(cfg, model=source.model)
-    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    prog = step.build(cfg, mesh)
-    params = source.params(prog.abstract_state["params"])
-    graphdef = nnx.split(step.abstract_model(cfg, sharding.Constrain(cfg.rules, mesh)))[0]
-    out = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens_bt)
+    layout = sharding.param_layout(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    params = source.params(layout.params)
+    out = jax.jit(lambda p, t: nnx.merge(layout.graphdef, p)(t))(params, tokens_bt)
     return np.asarray(out[0] if isinstance(out, tuple) else out)  # an MoE model: (logits, aux losses)
 
 
@@ -278,10 +276,10 @@ def test_lora_fine_tune_from_import_then_merged_export(tmp_path, capsys):
     assert e.value.code == 0
     assert "starting from the weights of" in capsys.readouterr().out
     trained, imported = weights.find(run), weights.find(tmp_path / "imp")
-    prog = weights.program_for(weights.run_config_of(trained))
-    after = jax.tree.map(np.asarray, trained.params(prog.abstract_state["params"]))
+    layout = weights.fsdp_layout(weights.run_config_of(trained))
+    after = jax.tree.map(np.asarray, trained.params(layout.params))
     base, adapters = weights.split_adapters(after)
-    before = jax.tree.map(np.asarray, imported.params(weights.split_adapters(prog.abstract_state["params"])[0]))
+    before = jax.tree.map(np.asarray, imported.params(weights.split_adapters(layout.params)[0]))
     assert jax.tree.all(jax.tree.map(np.array_equal, base, before))  # the base is frozen
     assert sorted(adapters["blocks"]) == sorted(f"{w}_lora_{x}" for w in ("wq_dhe", "wv_dke", "wo_hed", "w_up_df")
                                                 for x in "ab")
