@@ -54,7 +54,7 @@ def main(argv=None):
     step_s = statistics.median(times[5:] if len(times) > 6 else times[1:])
     tokens_per_s = cfg.train.global_batch_size * cfg.data.seq_len / step_s
     chip = chips.for_device_kind(device.device_kind)
-    flops = prog.flops_per_token() * tokens_per_s
+    flops = prog.flops_per_token * tokens_per_s
     mem = compiled.memory_analysis()
     print(json.dumps({
         "device": device.device_kind, "params_b": round(n_params / 1e9, 3), "attention": cfg.model.attention,

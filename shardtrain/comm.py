@@ -44,12 +44,15 @@ class Base:
     """What `step.build` made for the plain synchronous step."""
 
     state_shardings: dict
-    init: Callable
-    """key -> {params, opt, step}."""
+    abstract_params: dict
+    """The parameters' ShapeDtypeStructs (`step.Program.layout.params`)."""
+    fresh_state: Callable
+    """params -> {params, opt, step}: the state at step 0 around them (the entries modes here extend)."""
     update: Callable
     """(state, losses, grads) -> (state with params/opt/step advanced, metrics)."""
     make_loss_and_grads: Callable
-    """constrain -> ((params, tokens_bt) -> (losses, grads)); losses: a dict, `loss` the cross-entropy."""
+    """constrain -> ((params, tokens_bt) -> (losses, grads)) of a model whose activations `constrain`
+    constrains; losses: a dict, `loss` the cross-entropy."""
 
 
 def enabled(cfg: RunConfig) -> bool:
@@ -187,7 +190,7 @@ def replica_mean(mesh: Mesh, axes: tuple[str, ...], dtype: str, specs, dims=None
 
 
 def build(cfg: RunConfig, mesh: Mesh, base: Base) -> tuple[dict, Callable, Callable]:
-    """(state_shardings, init(key) -> state, train_step(state, tokens_bt) -> (state, metrics)).
+    """(state_shardings, fresh_state(params) -> state, train_step(state, tokens_bt) -> (state, metrics)).
 
     One replica's work (a gradient, or an inner AdamW step) is `jax.vmap`ped over a leading
     replica dimension sharded over the replica axes (`spmd_axis_name`), so GSPMD keeps every
@@ -211,20 +214,19 @@ def reduced_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
     n = sharding.axes_size(mesh, axes)
     dtype = cfg.train.comm.grad_reduce_dtype
     state_shardings = dict(base.state_shardings)
-    abstract_params = jax.eval_shape(base.init, jax.random.key(0))["params"]
     param_shardings = base.state_shardings["params"]
     replica_shardings = jax.tree.map(lambda s: _replica_sharding(s, axes), param_shardings)
     dims = None
     if dtype == "int8":
         dims = jax.tree_util.tree_map_with_path(
             lambda path, x, s: chunk_dim(x.shape, s.spec, mesh, n, sharding.path_str(path)),
-            abstract_params, param_shardings)
+            base.abstract_params, param_shardings)
         state_shardings["comm"] = {"worker": replica_shardings, "server": replica_shardings}
     mean = replica_mean(mesh, axes, dtype, jax.tree.map(lambda s: s.spec, param_shardings), dims)
     grads_r = jax.vmap(loss_and_grads, in_axes=(None, 0), spmd_axis_name=axes)
 
-    def init(key):
-        state = base.init(key)
+    def fresh_state(params):
+        state = base.fresh_state(params)
         if dtype == "int8":
             zeros = lambda shape: jnp.zeros((n, *shape), F32)  # noqa: E731
             state["comm"] = {
@@ -238,7 +240,7 @@ def reduced_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
         grads, comm = mean(jax.lax.with_sharding_constraint(grads, replica_shardings), state.get("comm", {}))
         return base.update({**state, **({"comm": comm} if comm else {})}, jax.tree.map(jnp.mean, loss_r), grads)
 
-    return state_shardings, init, train_step
+    return state_shardings, fresh_state, train_step
 
 
 def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
@@ -252,24 +254,21 @@ def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
     every = cfg.train.comm.sync_every
     outer_tx = outer_optimizer(cfg)
     param_shardings = base.state_shardings["params"]
-    abstract_params = jax.eval_shape(base.init, jax.random.key(0))["params"]
     replicated = base.state_shardings["step"]
     state_shardings = {
-        "params": param_shardings,
-        "opt": optax.tree_map_params(outer_tx, lambda _, s: s, jax.eval_shape(outer_tx.init, abstract_params),
+        **base.state_shardings,
+        "opt": optax.tree_map_params(outer_tx, lambda _, s: s, jax.eval_shape(outer_tx.init, base.abstract_params),
                                      param_shardings, transform_non_params=lambda _: replicated),
-        "step": replicated,
         "replicas": jax.tree.map(lambda s: _replica_sharding(s, axes),
                                  {"params": param_shardings, "opt": base.state_shardings["opt"]}),
     }
     mean = replica_mean(mesh, axes, cfg.train.comm.grad_reduce_dtype, jax.tree.map(lambda s: s.spec, param_shardings))
 
-    def init(key):
-        state = base.init(key)
+    def fresh_state(params):  # the outer optimizer's state; each replica a copy of the inner one's
+        state = base.fresh_state(params)
         copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)),
                               {"params": state["params"], "opt": state["opt"]})
-        return {"params": state["params"], "opt": outer_tx.init(state["params"]), "step": state["step"],
-                "replicas": copies}
+        return {**state, "opt": outer_tx.init(state["params"]), "replicas": copies}
 
     def inner(local, step, tokens_bt):  # one replica's AdamW step: no reduction over the replica axes
         loss, grads = loss_and_grads(local["params"], tokens_bt)
@@ -294,7 +293,7 @@ def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
         return ({"params": params, "opt": opt, "step": step, "replicas": {"params": local_params, "opt": local["opt"]}},
                 {k: jnp.mean(v) for k, v in metrics_r.items()})
 
-    return state_shardings, init, train_step
+    return state_shardings, fresh_state, train_step
 
 
 def bytes_per_step(prog) -> dict[tuple[str, ...], float]:

@@ -14,7 +14,6 @@ import math
 from pathlib import Path
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardtrain import config as config_lib
 from shardtrain.config import ConfigError, RunConfig
@@ -23,19 +22,18 @@ from shardtrain.step import Program
 
 
 class Evaluator:
+    """The held-out loss of a program's parameters, through its `eval_step`."""
+
     def __init__(self, prog: Program):
-        self.prog, cfg = prog, prog.cfg
-        self.dataset = loader.eval_samples(cfg)  # a missing eval split fails before anything is compiled
-        replicated = NamedSharding(prog.mesh, P())
-        self.loss_sums = jax.jit(prog.loss_sums, out_shardings=(replicated, replicated),
-                                 in_shardings=(prog.state_shardings["params"], prog.batch_sharding))
+        self.prog = prog
+        self.dataset = loader.eval_samples(prog.cfg)  # a missing eval split fails before anything is compiled
 
     def __call__(self, params) -> dict[str, float]:
         cfg = self.prog.cfg
         total = count = 0.0
         batches = loader.batches(self.dataset, cfg.train.global_batch_size, self.prog.local_rows(), 0,
                                  cfg.train.eval_steps, loader.read_threads(cfg))
-        sums = [self.loss_sums(params, self.prog.device_batch(batch)) for _, batch in batches]
+        sums = [self.prog.eval_step(params, self.prog.device_batch(batch)) for _, batch in batches]
         for loss_sum, n in sums:
             total, count = total + float(loss_sum), count + float(n)
         loss = total / max(count, 1.0)

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardtrain import config as config_lib, mesh as mesh_lib, sharding, step as step_lib
+from shardtrain import config as config_lib, mesh as mesh_lib, sharding
 from shardtrain.data import chat, tokenize
 from shardtrain.hf import weights
 
@@ -100,13 +100,10 @@ class Generator:
         cfg = dataclasses.replace(cfg, model=source.model)
         sizes = cfg.mesh.sizes().values()  # a mesh of fewer devices than present uses the first ones
         mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:math.prod(sizes)] if min(sizes) > 0 else None)
-        prog = step_lib.build(cfg, mesh)
-        params = source.params(prog.abstract_state["params"])
-        constrain = sharding.Constrain(cfg.rules, mesh)
-        graphdef = nnx.split(step_lib.abstract_model(cfg, constrain))[0]
+        layout = sharding.param_layout(cfg, mesh)  # no train step: only the parameters' layout
         tokenizer = load_tokenizer(source.files_dir)
-        return cls(cfg, nnx.merge(graphdef, params), mesh, tokenizer, tuple(eos_ids(source, tokenizer)),
-                   source.files_dir)
+        return cls(cfg, nnx.merge(layout.graphdef, source.params(layout.params)), mesh, tokenizer,
+                   tuple(eos_ids(source, tokenizer)), source.files_dir)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -142,7 +139,7 @@ class Generator:
         names = ("layers", "batch", None, "kv_heads", None)
         spec = sharding.spec_for(names, self.cfg.rules, self.mesh, shape=cache_shape, what=f"KV cache {cache_shape}")
         cache_sharding = NamedSharding(self.mesh, spec)
-        dtype = step_lib.dtype(self.cfg.train.compute_dtype)
+        dtype = jnp.dtype(self.cfg.train.compute_dtype)
         graphdef, params = nnx.split(self.model)
         static = dict(graphdef=graphdef, cache_shape=cache_shape, dtype=dtype, cache_sharding=cache_sharding,
                       temperature=temperature, top_p=top_p)

@@ -13,7 +13,6 @@ from shardtrain import (
     config as config_lib,
     evaluate,
     mesh as mesh_lib,
-    pipeline,
     step as step_lib,
 )
 from shardtrain.checkpoint import listing, manager
@@ -47,9 +46,15 @@ class Preemption:
         return self.requested
 
 
-def mode_line(cfg: config_lib.RunConfig, mesh) -> str:
+def say(text: str) -> None:
+    """A console line, printed by process 0 only."""
+    if jax.process_index() == 0:
+        print(text, flush=True)
+
+
+def mode_line(prog: step_lib.Program) -> str:
     """One console line with what this run does: mesh, remat, dtypes, gradient communication, pipeline."""
-    t = cfg.train
+    cfg, mesh, t = prog.cfg, prog.mesh, prog.cfg.train
     axes = ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
     dcn = ",".join(f"{a}={getattr(cfg.mesh.dcn, a)}" for a in config_lib.MESH_AXES if getattr(cfg.mesh.dcn, a) > 1)
     if t.comm.sync == "local_sgd":
@@ -57,11 +62,10 @@ def mode_line(cfg: config_lib.RunConfig, mesh) -> str:
                 f"{t.comm.grad_reduce_dtype} (outer lr {t.comm.outer_learning_rate}, momentum {t.comm.outer_momentum})")
     else:
         comm = f"gradients reduced every step in {t.comm.grad_reduce_dtype}"
-    stages = mesh.shape.get("pipeline", 1)
-    if stages > 1:
+    if prog.schedule is not None:
         repeats = f", {t.pipeline.repeats} repeats" if t.pipeline.schedule == "circular" else ""
-        micro = pipeline.microbatches(cfg, mesh)
-        pipe = f"pipeline {t.pipeline.schedule}, {stages} stages, {micro} micro-batches{repeats}"
+        pipe = (f"pipeline {t.pipeline.schedule}, {prog.schedule.stages} stages, "
+                f"{prog.schedule.microbatches} micro-batches{repeats}")
     else:
         pipe = "no pipeline"
     accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
@@ -77,9 +81,8 @@ def train(cfg: config_lib.RunConfig) -> int:
     run_dir/shardtrain.log."""
     committed = listing.committed_steps(cfg)
     if committed and max(committed) >= cfg.train.steps:
-        if jax.process_index() == 0:
-            print(f"run {cfg.run_dir} is complete: checkpoint step {max(committed)} reaches train.steps="
-                  f"{cfg.train.steps}; nothing to do (raise train.steps to continue it)", flush=True)
+        say(f"run {cfg.run_dir} is complete: checkpoint step {max(committed)} reaches train.steps="
+            f"{cfg.train.steps}; nothing to do (raise train.steps to continue it)")
         return 0
     with contextlib.ExitStack() as opened:
         opened.enter_context(manager.library_log(cfg))
@@ -87,80 +90,118 @@ def train(cfg: config_lib.RunConfig) -> int:
 
 
 def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
+    """Build, then compile and start (or resume), then run the steps; `opened` closes what it opens."""
     sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
     dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    prog = step_lib.build(cfg, mesh)
+    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
-    n_params = prog.param_count()
-    is_main = jax.process_index() == 0
-    if is_main:
-        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
-        print(f"shardtrain: {cfg.model.name} {n_params / 1e6:.2f}M params on {jax.device_count()} "
-              f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; compiling...", flush=True)
-        print(mode_line(cfg, mesh), flush=True)
-        if loader.packed(cfg):
-            print(token_shards.describe(sources), flush=True)
-
+    if jax.process_index() == 0:
+        _announce(prog, sources)
     preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
     opened.callback(preemption.close)
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
-    checkpointer = manager.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)
-    ckpt = opened.enter_context(contextlib.closing(checkpointer))
-    restored = ckpt.restore_latest(say=lambda text: is_main and print(text, flush=True))
-    if restored is None and init_from is not None:  # resume wins over init_from
-        state, start = weights.initial_state(prog, init_from), 0
-        if is_main:
-            print(f"starting from the weights of {init_from.step_dir or init_from.path} "
-                  "(step 0, fresh optimizer state)", flush=True)
-    elif restored is None:
-        state, start = prog.init(cfg.train.seed), 0
-    else:
-        state, meta = restored
-        start = manager.start_step_from(meta, cfg)
-        if is_main:
-            print(f"resuming from checkpoint step {start} (written on mesh {listing.describe_mesh(meta)}; "
-                  f"data position {meta['data_position']} samples)", flush=True)
-    if is_main:
-        print(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}", flush=True)
-
-    metrics = opened.enter_context(contextlib.closing(Metrics(cfg, prog.flops_per_token(), start)))
+    ckpt = opened.enter_context(contextlib.closing(
+        manager.Checkpointer(cfg, prog.abstract_state, prog.mesh.shape)))
+    state, start = _start(prog, ckpt, init_from)
+    say(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}")
+    metrics = opened.enter_context(contextlib.closing(Metrics(cfg, prog.flops_per_token, start)))
     if start > 0:
         metrics.event("resume", step=start)
-    rows = prog.local_rows()
-    profile = cfg.train.profile_steps
-    pending = None  # (step, metrics arrays) of the step in flight: read after the next dispatch
-    last_done = time.perf_counter()
-    exit_code = 0
+    return _run_steps(prog, compiled, state, start, dataset, ckpt, metrics, evaluator, preemption)
 
-    def finish_pending():
-        nonlocal pending, last_done
-        if pending is not None:
-            values = {k: float(v) for k, v in pending[1].items()}  # waits for that step
+
+def _announce(prog: step_lib.Program, sources) -> None:
+    """Process 0's first lines: the run's config file, the model and devices, the mode, the data."""
+    cfg = prog.cfg
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
+    print(f"shardtrain: {cfg.model.name} {prog.param_count() / 1e6:.2f}M params on {jax.device_count()} "
+          f"{jax.devices()[0].platform} devices, mesh {dict(prog.mesh.shape)}; compiling...", flush=True)
+    print(mode_line(prog), flush=True)
+    if loader.packed(cfg):
+        print(token_shards.describe(sources), flush=True)
+
+
+def _start(prog: step_lib.Program, ckpt: manager.Checkpointer, init_from) -> tuple[dict, int]:
+    """(state, first step): the newest readable checkpoint, else the weights of checkpoint.init_from
+    (a resume wins over init_from), else a fresh model from train.seed."""
+    cfg = prog.cfg
+    restored = ckpt.restore_latest(say=say)
+    if restored is None and init_from is not None:
+        state = weights.initial_state(prog, init_from)
+        say(f"starting from the weights of {init_from.step_dir or init_from.path} (step 0, fresh optimizer state)")
+        return state, 0
+    if restored is None:
+        return prog.init(cfg.train.seed), 0
+    state, meta = restored
+    start = manager.start_step_from(meta, cfg)
+    say(f"resuming from checkpoint step {start} (written on mesh {listing.describe_mesh(meta)}; "
+        f"data position {meta['data_position']} samples)")
+    return state, start
+
+
+class StepLog:
+    """Logs each step's metrics once the next step is dispatched (reading them waits for their
+    step), with the time since the previous step finished (evaluation and saves excluded)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics, self.pending, self.last_done = metrics, None, time.perf_counter()
+
+    def hold(self, step: int, values: dict) -> None:
+        """Logs the step before, then keeps `values` (device arrays) of `step`, just dispatched."""
+        self.flush()
+        self.pending = (step, values)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            values = {k: float(v) for k, v in self.pending[1].items()}  # waits for that step
             now = time.perf_counter()
-            metrics.log(pending[0], values, now - last_done)
-            last_done, pending = now, None
+            self.metrics.log(self.pending[0], values, now - self.last_done)
+            self.last_done, self.pending = now, None
 
-    tracing = False  # steps profile[0]..profile[1] (1-based) run inside a jax.profiler trace
-    for i, local_batch in loader.batches(dataset, cfg.train.global_batch_size, rows, start, cfg.train.steps,
-                                         loader.read_threads(cfg)):
-        if profile and not tracing and profile[0] <= i + 1 <= profile[1]:
-            jax.profiler.start_trace(str(Path(cfg.run_dir) / "profile"))
-            tracing = True
-        batch = prog.device_batch(local_batch)
-        state, step_metrics = compiled(state, batch)
-        finish_pending()
-        pending = (i + 1, step_metrics)
-        if tracing and i + 1 == profile[1]:
+    def restart_clock(self) -> None:
+        """What ran since the last step (an evaluation, a save's blocking part) is not a step's time."""
+        self.last_done = time.perf_counter()
+
+
+class ProfileWindow:
+    """Steps train.profile_steps[0]..[1] (1-based) run inside a jax.profiler trace."""
+
+    def __init__(self, cfg: config_lib.RunConfig):
+        self.steps, self.dir, self.tracing = cfg.train.profile_steps, str(Path(cfg.run_dir) / "profile"), False
+
+    def before(self, step: int) -> None:
+        if self.steps and not self.tracing and self.steps[0] <= step <= self.steps[1]:
+            jax.profiler.start_trace(self.dir)
+            self.tracing = True
+
+    def after(self, step: int, state) -> None:
+        if self.tracing and step == self.steps[1]:
             jax.block_until_ready(state)
+            self.stop()
+
+    def stop(self) -> None:
+        if self.tracing:
             jax.profiler.stop_trace()
-            tracing = False
+            self.tracing = False
+
+
+def _run_steps(prog, compiled, state, start, dataset, ckpt, metrics, evaluator, preemption) -> int:
+    """The steps start..train.steps: evaluation, checkpoints, a save and exit 75 on preemption."""
+    cfg = prog.cfg
+    log, profile = StepLog(metrics), ProfileWindow(cfg)
+    exit_code = 0
+    for i, local_batch in loader.batches(dataset, cfg.train.global_batch_size, prog.local_rows(), start,
+                                         cfg.train.steps, loader.read_threads(cfg)):
         done = i + 1
+        profile.before(done)
+        state, step_metrics = compiled(state, prog.device_batch(local_batch))
+        log.hold(done, step_metrics)
+        profile.after(done, state)
         if preemption.reached(done):
-            finish_pending()
+            log.flush()
             ckpt.save(done, state)
             ckpt.wait()
             metrics.event("preempted", step=done)
@@ -168,17 +209,16 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
             exit_code = EXIT_PREEMPTED
             break
         if evaluator and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
-            finish_pending()
+            log.flush()
             metrics.log_eval(done, evaluator(state["params"]))
-            last_done = time.perf_counter()  # evaluation is not a step's time
+            log.restart_clock()
         if done % cfg.checkpoint.every_steps == 0 or done == cfg.train.steps:
-            finish_pending()
+            log.flush()
             ckpt.save(done, state)
-            last_done = time.perf_counter()  # the save's blocking part is not a step's time
+            log.restart_clock()
         ckpt.check()  # a failed async save raises manager.SaveFailed at the next step boundary
-    finish_pending()
-    if tracing:  # preempted inside the traced steps
-        jax.profiler.stop_trace()
+    log.flush()
+    profile.stop()  # preempted inside the traced steps
     ckpt.wait()
     metrics.summary()  # a finished run's closing line (the ExitStack then closes what was opened)
     return exit_code

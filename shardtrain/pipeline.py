@@ -23,6 +23,8 @@ block parameters over `pipeline` (and one of their gradients back), never a gath
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -54,7 +56,23 @@ def microbatches(cfg: RunConfig, mesh: Mesh) -> int:
     return max([m for m in range(1, 4 * stages + 1) if rows % m == 0] or [1])
 
 
-def check(cfg: RunConfig, mesh: Mesh) -> tuple[int, int, int]:
+class Schedule(NamedTuple):
+    """A checked pipeline schedule (`check`); step.build computes it once, `Program.schedule`."""
+
+    stages: int
+    """P: the size of the `pipeline` mesh axis."""
+    repeats: int
+    """v: groups of layers per stage (1: GPipe; > 1: circular)."""
+    microbatches: int
+    """M: the micro-batches each data replica's rows are cut into."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Ideal idle fraction of the schedule: (P - 1) / (v M + P - 1)."""
+        return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
+
+
+def check(cfg: RunConfig, mesh: Mesh) -> Schedule:
     """(stages P, repeats v, micro-batches M); ConfigError for a layout that does not divide."""
     t, stages, layers = cfg.train, mesh.shape[AXIS], cfg.model.n_layers
     v = _repeats(cfg)
@@ -74,20 +92,20 @@ def check(cfg: RunConfig, mesh: Mesh) -> tuple[int, int, int]:
     if v > 1 and m < stages:
         raise ConfigError(f"train.pipeline.microbatches={m} must be >= mesh.pipeline={stages} for the circular "
                           f"schedule; raise train.pipeline.microbatches or train.global_batch_size")
-    return stages, v, m
+    return Schedule(stages, v, m)
 
 
 def bubble_fraction(cfg: RunConfig, mesh: Mesh) -> float:
     """Ideal idle fraction of the schedule: (P - 1) / (v M + P - 1)."""
-    stages, v, m = check(cfg, mesh)
-    return (stages - 1) / (v * m + stages - 1)
+    return check(cfg, mesh).bubble_fraction
 
 
-def runner(cfg: RunConfig, mesh: Mesh):
-    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: the stacked blocks as a pipeline over `pipeline`.
-    Packed documents (`docs`: segment_ids_bt, positions_bt) are cut into the same micro-batches,
-    held by every stage, and stage p reads those of the micro-batch it is working on."""
-    stages, v, m_count = check(cfg, mesh)
+def runner(cfg: RunConfig, mesh: Mesh, schedule: Schedule | None = None):
+    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: the stacked blocks as a pipeline over `pipeline`
+    by `schedule` (default: `check(cfg, mesh)`). Packed documents (`docs`: segment_ids_bt,
+    positions_bt) are cut into the same micro-batches, held by every stage, and stage p reads those
+    of the micro-batch it is working on."""
+    stages, v, m_count = schedule or check(cfg, mesh)
     group = cfg.model.n_layers // (stages * v)
     run_group = scan_runner(cfg)
     ring = [(i, (i + 1) % stages) for i in range(stages)]

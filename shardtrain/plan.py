@@ -67,14 +67,13 @@ def plan_devices(n: int) -> list:
 # ----------------------------------------------------------------------------- one mesh
 
 
-def pipeline_schedule(cfg: RunConfig, mesh) -> dict | None:
-    """The trainer's schedule (pipeline.py decides micro-batches and bubble; the planner only reads it)."""
-    if mesh.shape["pipeline"] <= 1:
+def pipeline_schedule(prog: step_lib.Program) -> dict | None:
+    """The trainer's schedule, as its build made it (`prog.schedule`; the planner only reads it)."""
+    s, t = prog.schedule, prog.cfg.train
+    if s is None:
         return None
-    from shardtrain import pipeline
-    return {"schedule": cfg.train.pipeline.schedule, "stages": int(mesh.shape["pipeline"]),
-            "microbatches": pipeline.microbatches(cfg, mesh), "repeats": cfg.train.pipeline.repeats,
-            "bubble_fraction": pipeline.bubble_fraction(cfg, mesh)}
+    return {"schedule": t.pipeline.schedule, "stages": s.stages, "microbatches": s.microbatches,
+            "repeats": t.pipeline.repeats, "bubble_fraction": s.bubble_fraction}
 
 
 def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], chip: chips_lib.Chip,
@@ -150,7 +149,7 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         slices = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
         colls += hlo.dcn_reductions(text, tuple(a for a in MESH_AXES if a in dcn_axes), slices)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    flops_token = prog.flops_per_token()
+    flops_token = prog.flops_per_token
     return {
         "config": cfg.name, "model": cfg.model.name, "devices": n, "chip": chip.name,
         "compiler": platform, "compiler_note": compiler_note(platform, chip), "topology": topology_name(mesh),
@@ -182,7 +181,7 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "estimate": {**estimate(flops_dev, bytes_dev, colls, chip_dev, dcn_axes, flops_token * tokens, n),
                      "tpu_cost_model_step_s": float(optimal_s) if optimal_s and optimal_s > 0 else None,
                      "cost_analysis_optimal_seconds": None if optimal_s is None else float(optimal_s)},
-        "pipeline": pipeline_schedule(cfg, mesh),
+        "pipeline": pipeline_schedule(prog),
         "compile_s": compile_s,
     }
 

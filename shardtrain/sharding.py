@@ -2,6 +2,9 @@
 
 Models annotate parameters (flax NNX `sharding_names`) and activations (`Constrain`) with
 logical names only; this module is the one place where those names meet mesh axes.
+`param_layout(cfg, mesh)` is where a model's parameters meet them: one abstract trace of the
+model gives its structure, every parameter's shape, logical names and sharding, nothing allocated
+(the train step, generation and Hugging Face import/export all start from it).
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from shardtrain.config import AxisRule, ConfigError, RulesConfig, mesh_axes
+import models
+from shardtrain.config import AxisRule, ConfigError, ModelConfig, RulesConfig, RunConfig, mesh_axes
 
 LOGICAL_AXES = tuple(f.name for f in dataclasses.fields(RulesConfig))
 
@@ -86,6 +91,55 @@ def param_specs(abstract_params: dict, names: dict, rules: RulesConfig, mesh: Me
 
 def named(mesh: Mesh, specs: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def model_class(cfg: RunConfig):
+    """The model class that model.name names (ConfigError for an unknown name)."""
+    try:
+        return models.get(cfg.model.name)
+    except models.UnknownModel as e:
+        raise ConfigError(str(e)) from None
+
+
+def abstract_model(cfg: RunConfig, constrain=models.no_constraint):
+    """The model with ShapeDtypeStructs for parameters: one trace of its constructor, nothing allocated."""
+    cls = model_class(cfg)
+    return nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0), constrain=constrain))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """A model's parameters on a mesh, without allocating them (`param_layout`)."""
+
+    model_class: type
+    model: ModelConfig
+    mesh: Mesh
+    graphdef: Any
+    """The model's structure; its activations are constrained by the rules on the mesh."""
+    params: dict
+    """ShapeDtypeStructs in train.param_dtype carrying their NamedShardings (pure nested dict)."""
+    names: dict
+    """Logical axis names of every parameter (same tree as params)."""
+    shardings: dict
+    """NamedSharding of every parameter (same tree as params)."""
+
+    def init(self, key: jax.Array) -> dict:
+        """Parameters drawn by the model's own initialisers from `key`, in the layout's dtypes (jit
+        it with out_shardings=self.shardings to create them already sharded)."""
+        model = self.model_class(self.model, rngs=nnx.Rngs(params=key))
+        return jax.tree.map(lambda p, a: p.astype(a.dtype), nnx.to_pure_dict(nnx.state(model)), self.params)
+
+
+def param_layout(cfg: RunConfig, mesh: Mesh) -> ParamLayout:
+    """The parameters of cfg's model on `mesh` by cfg's rules (ConfigError naming a parameter whose
+    dimension the mesh axes do not divide). Traces the model once (`abstract_model`)."""
+    graphdef, state = nnx.split(abstract_model(cfg, Constrain(cfg.rules, mesh)))
+    names = logical_names(state)
+    param_dtype = jnp.dtype(cfg.train.param_dtype)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), nnx.to_pure_dict(state))
+    shardings = named(mesh, param_specs(shapes, names, cfg.rules, mesh))
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    return ParamLayout(model_class(cfg), cfg.model, mesh, graphdef, params, names, shardings)
 
 
 @dataclasses.dataclass(frozen=True)

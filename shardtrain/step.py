@@ -1,7 +1,10 @@
 """Builds the one jit-compiled, sharded train step. `train` and `plan` both call `build`, so the
-planner's numbers are the trainer's.
+planner's numbers are the trainer's. `build` is also the single producer of what later code
+needs: the `Program` it returns carries the parameter layout, the optimizer, the fresh-state
+function, the pipeline schedule, the eval step and the model's FLOPs per token, each made once
+(evaluation, checkpoints, `init_from`, metrics and the planner read them instead of rebuilding).
 
-Train state (a plain dict pytree, checkpointed as is):
+Train state (a plain dict pytree, checkpointed as is; spelled once, in `fresh_state_fn`):
   params: the model's parameters (pure nested dict, param_dtype, sharded by the rules)
   opt:    optax state, sharded exactly like the parameters
   step:   int32 scalar
@@ -11,10 +14,8 @@ Train state (a plain dict pytree, checkpointed as is):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,36 +23,46 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import models
 from models import attention
 from shardtrain import comm, optim, pipeline, sharding
 from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
 from shardtrain.data import loader
 from shardtrain.loss import weighted_cross_entropy_sum
+from shardtrain.sharding import abstract_model  # noqa: F401 - callers reach it as step.abstract_model
 
 
 @dataclasses.dataclass
 class Program:
-    """The compiled step and everything needed to feed it."""
+    """The compiled step and everything later code needs from the build (computed once there)."""
 
     cfg: RunConfig
     mesh: Mesh
-    graphdef: Any
-    param_names: dict
-    """Logical axis names of every parameter (same tree as params)."""
+    layout: sharding.ParamLayout
+    """The model's structure and its parameters' shapes, logical names and shardings."""
+    tx: optax.GradientTransformation
+    """The optimizer the step applies."""
+    schedule: pipeline.Schedule | None
+    """The pipeline's (stages, repeats, micro-batches); None without pipeline parallelism."""
+    flops_per_token: float
+    """Model FLOPs per trained token (forward + backward), as the model reports them (6N, the
+    matmuls alone, for a model that does not)."""
     state_shardings: dict
     batch_sharding: NamedSharding
     abstract_state: dict
     """ShapeDtypeStructs with shardings: the state without allocating it."""
     init: Callable
     """jitted seed -> state, created already sharded."""
+    fresh_state: Callable
+    """jitted params -> state around them (step 0, fresh optimizer state), sharded; the params are
+    donated."""
     step: Callable
     """jitted (state, batch) -> (state, metrics), state donated."""
-
     loss_sums: Callable
-    """(params, batch) -> (summed token loss, counted tokens), unjitted (evaluate.py jits it)."""
-    loss_and_grads: Callable = None
+    """(params, batch) -> (summed token loss, counted tokens), unjitted."""
+    eval_step: Callable
+    """`loss_sums` jitted, both sums replicated (evaluate.py)."""
+    loss_and_grads: Callable
     """jitted (params, batch) -> (losses, gradients) of the step, before any cross-replica
     reduction mode or update (tests compare meshes with it)."""
 
@@ -71,15 +82,7 @@ class Program:
             self.batch_sharding, x, self.batch_shape()), local_batch)
 
     def param_count(self) -> int:
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_state["params"]))
-
-    def flops_per_token(self) -> float:
-        """Model FLOPs per trained token (forward + backward), as the model reports them (6N, the
-        matmuls alone, for a model that does not)."""
-        report = getattr(model_class(self.cfg), "flops_per_token", None)
-        if report is None:
-            return 6 * self.param_count()
-        return report(self.cfg.model, self.param_count(), self.cfg.data.seq_len)
+        return param_count(self.layout)
 
     def lower(self):
         return self.step.lower(self.abstract_state, self.abstract_batch())
@@ -119,41 +122,42 @@ def dtype(name: str):
     return jnp.dtype(name)
 
 
-def model_class(cfg: RunConfig):
-    """The model class that model.name names (ConfigError for an unknown name)."""
-    try:
-        return models.get(cfg.model.name)
-    except models.UnknownModel as e:
-        raise ConfigError(str(e)) from None
+def param_count(layout: sharding.ParamLayout) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(layout.params))
 
 
-def abstract_model(cfg: RunConfig, constrain=models.no_constraint):
-    cls = model_class(cfg)
-    return nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0), constrain=constrain))
-
-
+def flops_per_token(cfg: RunConfig, layout: sharding.ParamLayout) -> float:
+    """Model FLOPs per trained token (forward + backward), as the model reports them (6N, the
+    matmuls alone, for a model that does not)."""
+    report = getattr(layout.model_class, "flops_per_token", None)
+    n_params = param_count(layout)
+    return 6 * n_params if report is None else report(cfg.model, n_params, cfg.data.seq_len)
 
 
 # ----------------------------------------------------------------------------- the pieces of `build`
 
 
-def blocks_runner(cfg: RunConfig, mesh: Mesh) -> Callable:
-    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: a pipeline over `pipeline` when that axis is > 1
-    (its errors name layers, stages, repeats), else a scan."""
+def pipeline_schedule(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain) -> pipeline.Schedule | None:
+    """(stages, repeats, micro-batches) of the pipeline over `pipeline` when that axis is > 1 (its
+    errors name layers, stages, repeats), else None."""
     if mesh.shape["pipeline"] == 1:
-        return scan_runner(cfg)
-    if cfg.model.moe.n_experts > 1 or sharding.Constrain(cfg.rules, mesh).size("seq") > 1:
+        return None
+    if cfg.model.moe.n_experts > 1 or constrain.size("seq") > 1:
         raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.moe.n_experts > 1) or context "
                           "parallelism (mesh.context > 1) yet; use mesh.pipeline=1")
-    return pipeline.runner(cfg, mesh)
+    return pipeline.check(cfg, mesh)
 
 
-def context_order(cfg: RunConfig, mesh: Mesh) -> Callable | None:
+def blocks_runner(cfg: RunConfig, mesh: Mesh, schedule: pipeline.Schedule | None) -> Callable:
+    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: the pipeline of `schedule`, or without one a scan."""
+    return scan_runner(cfg) if schedule is None else pipeline.runner(cfg, mesh, schedule)
+
+
+def context_order(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain) -> Callable | None:
     """Under context parallelism (`seq` split n ways, n > 1), `reorder(x_bt)`: x's positions in the
     causal load-balanced order (chunks i and 2n-1-i of 2n on device i; models/attention.py),
     split over `seq`; else None. The loss feeds every field of the batch in this order, positions
     included: the summed loss is the same in any order, so nothing is un-permuted."""
-    constrain = sharding.Constrain(cfg.rules, mesh)
     n = constrain.size("seq")
     if n == 1:
         return None
@@ -172,25 +176,16 @@ def context_order(cfg: RunConfig, mesh: Mesh) -> Callable | None:
     return lambda x_bt: constrain(x_bt[:, order_t], ("batch", "seq"))
 
 
-def abstract_params(cfg: RunConfig, constrain) -> tuple[Any, dict, dict]:
-    """(graphdef, parameter ShapeDtypeStructs in train.param_dtype, their logical axis names)."""
-    graphdef, state = nnx.split(abstract_model(cfg, constrain))
-    names = sharding.logical_names(state)
-    param_dtype = dtype(cfg.train.param_dtype)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), nnx.to_pure_dict(state))
-    return graphdef, shapes, names
-
-
-def state_shardings(cfg: RunConfig, mesh: Mesh, tx: optax.GradientTransformation, params: dict,
-                    names: dict) -> dict:
+def state_shardings(cfg: RunConfig, mesh: Mesh, tx: optax.GradientTransformation,
+                    layout: sharding.ParamLayout) -> dict:
     """Shardings of the train state: parameters by the rules, optimizer state like its parameters
     (`jax.jit(tx.init)` alone would replicate it), scalars replicated."""
     replicated = NamedSharding(mesh, P())
-    param_shardings = sharding.named(mesh, sharding.param_specs(params, names, cfg.rules, mesh))
     masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 - parameters without state (frozen by LoRA)
-    opt_shardings = optax.tree_map_params(tx, lambda x, s: x if masked(x) else s, jax.eval_shape(tx.init, params),
-                                          param_shardings, transform_non_params=lambda _: replicated, is_leaf=masked)
-    return {"params": param_shardings, "opt": opt_shardings, "step": replicated}
+    opt_shardings = optax.tree_map_params(tx, lambda x, s: x if masked(x) else s,
+                                          jax.eval_shape(tx.init, layout.params), layout.shardings,
+                                          transform_non_params=lambda _: replicated, is_leaf=masked)
+    return {"params": layout.shardings, "opt": opt_shardings, "step": replicated}
 
 
 def batch_sharding(cfg: RunConfig, mesh: Mesh) -> NamedSharding:
@@ -205,13 +200,12 @@ def with_shardings(shapes, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
-def init_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
-    """key -> {params, opt, step}: the model initialised from `key`, in train.param_dtype."""
-    def init(key):
-        params = nnx.to_pure_dict(nnx.split(model_class(cfg)(cfg.model, rngs=nnx.Rngs(params=key)))[1])
-        params = jax.tree.map(lambda p: p.astype(dtype(cfg.train.param_dtype)), params)
+def fresh_state_fn(tx: optax.GradientTransformation) -> Callable:
+    """params -> {params, opt, step}: the train state around `params` at step 0, with a fresh
+    optimizer state. The one place that spells the state's entries (comm.py adds its own)."""
+    def fresh_state(params):
         return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-    return init
+    return fresh_state
 
 
 def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callable | None = None) -> Callable:
@@ -239,13 +233,11 @@ def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callab
     return loss_sums
 
 
-def loss_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callable | None = None) -> Callable:
-    """(params, batch, denominator=None) -> (objective, losses): `losses["loss"]` the summed token loss
-    / denominator (default: the batch's own counted tokens, i.e. the mean), plus each auxiliary loss
-    the model reports (an MoE router's) / train.grad_accum_steps; the objective is their sum, every
-    entry is logged."""
-    loss_sums = loss_sums_fn(cfg, graphdef, run_blocks, reorder)
-
+def loss_fn(cfg: RunConfig, loss_sums: Callable) -> Callable:
+    """(params, batch, denominator=None) -> (objective, losses) from `loss_sums` (`loss_sums_fn`):
+    `losses["loss"]` the summed token loss / denominator (default: the batch's own counted tokens,
+    i.e. the mean), plus each auxiliary loss the model reports (an MoE router's) /
+    train.grad_accum_steps; the objective is their sum, every entry is logged."""
     def loss(params, batch, denominator=None):
         total, count, aux = loss_sums(params, batch)
         losses = {"loss": total / (jnp.maximum(count, 1.0) if denominator is None else denominator),
@@ -254,11 +246,11 @@ def loss_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callable | 
     return loss
 
 
-def make_loss_and_grads(cfg: RunConfig, run_blocks: Callable, reorder: Callable | None, constrain) -> Callable:
+def make_loss_and_grads(cfg: RunConfig, loss_sums: Callable, constrain) -> Callable:
     """(params, batch) -> (losses, grads): the mean losses (a dict: `loss` the token loss, and any
     auxiliary losses) and gradients over train.grad_accum_steps micro-batches (= the full batch's),
-    activations constrained by `constrain` (comm.py passes its own, per replica)."""
-    loss = loss_fn(cfg, nnx.split(abstract_model(cfg, constrain))[0], run_blocks, reorder)
+    each micro-batch constrained by `constrain` (the one `loss_sums`' model was built with)."""
+    loss = loss_fn(cfg, loss_sums)
     grad_fn = jax.grad(loss, has_aux=True)
     accum = cfg.train.grad_accum_steps
 
@@ -299,43 +291,53 @@ def update_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
 
 
 def build(cfg: RunConfig, mesh: Mesh) -> Program:
-    """The one compiled train step of `cfg` on `mesh` (trainer and planner both call this):
+    """The one compiled train step of `cfg` on `mesh` (trainer and planner both call this), and
+    what later code needs of it, each made once:
 
-    1. abstract model: parameter shapes and logical names, nothing allocated;
-    2. shardings: parameters by the rules, optimizer state like its parameters, the batch by rows;
+    1. layout: the model traced once, abstractly: its structure, parameter shapes, names, shardings;
+    2. shardings: optimizer state like its parameters, the batch by rows;
     3. loss: embed -> blocks (scan or pipeline) -> head, and its gradients over the micro-batches;
-    4. update: the optimizer step (comm.py wraps 3-4 for compressed reduction or local SGD);
-    5. jit: `init` creates the state already sharded, `step` donates it.
+    4. update and fresh state: the optimizer step (comm.py wraps 3-4 for compressed reduction or
+       local SGD, and adds its state entries);
+    5. jit: `init` creates the state already sharded, `step` donates it, `eval_step` sums the loss.
     """
-    run_blocks = blocks_runner(cfg, mesh)  # first: the pipeline's errors name layers, stages, repeats
-    reorder = context_order(cfg, mesh)
     constrain = sharding.Constrain(cfg.rules, mesh)
+    schedule = pipeline_schedule(cfg, mesh, constrain)  # first: the pipeline's errors name layers, stages, repeats
+    run_blocks, reorder = blocks_runner(cfg, mesh, schedule), context_order(cfg, mesh, constrain)
     tx = optim.make(cfg)
 
-    graphdef, params, names = abstract_params(cfg, constrain)                                 # 1
-    shardings = state_shardings(cfg, mesh, tx, params, names)                                 # 2
+    layout = sharding.param_layout(cfg, mesh)                                                 # 1
+    shardings = state_shardings(cfg, mesh, tx, layout)                                        # 2
     batch = batch_sharding(cfg, mesh)
-    make_loss = functools.partial(make_loss_and_grads, cfg, run_blocks, reorder)              # 3
-    init, update = init_fn(cfg, tx), update_fn(cfg, tx)                                       # 4
-    loss_and_grads = make_loss(constrain)
+    loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder)                       # 3
+    loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)
+    fresh, update = fresh_state_fn(tx), update_fn(cfg, tx)                                    # 4
 
     def train_step(state, batch):
         return update(state, *loss_and_grads(state["params"], batch))
+
+    def replica_loss_and_grads(replica_constrain):  # comm.py: a replica's activations leave out its axes,
+        graphdef = nnx.split(sharding.abstract_model(cfg, replica_constrain))[0]  # so its own model
+        return make_loss_and_grads(cfg, loss_sums_fn(cfg, graphdef, run_blocks, reorder), replica_constrain)
 
     if comm.enabled(cfg) and cfg.model.moe.n_experts > 1 and mesh.shape["expert"] > 1:
         raise ConfigError("mesh.expert > 1 does not combine with train.comm.sync=local_sgd or a compressed "
                           "train.comm.grad_reduce_dtype yet; use mesh.expert=1")
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
-        shardings, init, train_step = comm.build(cfg, mesh, comm.Base(shardings, init, update, make_loss))
-    abstract_state = with_shardings(jax.eval_shape(init, jax.random.key(0)), shardings)
-    loss_sums = loss_sums_fn(cfg, graphdef, run_blocks, reorder)
+        shardings, fresh, train_step = comm.build(
+            cfg, mesh, comm.Base(shardings, layout.params, fresh, update, replica_loss_and_grads))
+    sums, replicated = (lambda p, b: loss_sums(p, b)[:2]), shardings["step"]
 
     return Program(                                                                           # 5
-        cfg=cfg, mesh=mesh, graphdef=graphdef, param_names=names, state_shardings=shardings,
-        batch_sharding=batch, abstract_state=abstract_state, loss_sums=lambda p, b: loss_sums(p, b)[:2],
-        init=jax.jit(lambda seed: init(jax.random.key(seed)), static_argnums=0, out_shardings=shardings),
-        step=jax.jit(train_step, in_shardings=(shardings, batch),
-                     out_shardings=(shardings, shardings["step"]), donate_argnums=0),
-        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(shardings["params"], batch),
-                               out_shardings=(shardings["step"], shardings["params"])),
+        cfg=cfg, mesh=mesh, layout=layout, tx=tx, schedule=schedule, flops_per_token=flops_per_token(cfg, layout),
+        state_shardings=shardings, batch_sharding=batch,
+        abstract_state=with_shardings(jax.eval_shape(fresh, layout.params), shardings),
+        init=jax.jit(lambda seed: fresh(layout.init(jax.random.key(seed))), static_argnums=0, out_shardings=shardings),
+        fresh_state=jax.jit(fresh, out_shardings=shardings, donate_argnums=0),
+        step=jax.jit(train_step, in_shardings=(shardings, batch), out_shardings=(shardings, replicated),
+                     donate_argnums=0),
+        loss_sums=sums,
+        eval_step=jax.jit(sums, in_shardings=(layout.shardings, batch), out_shardings=(replicated, replicated)),
+        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(layout.shardings, batch),
+                               out_shardings=(replicated, layout.shardings)),
     )

@@ -119,9 +119,9 @@ def test_profile_range_partly_behind_a_resumed_run_traces_the_rest(tmp_path):
      "local SGD over data, sync every 4 steps in float32 (outer lr 1.0, momentum 0.0)"),
 ])
 def test_start_of_a_run_says_its_mode_in_one_line(overrides, line):
-    from shardtrain import config, loop, mesh as mesh_lib
+    from shardtrain import config, loop, mesh as mesh_lib, step
     cfg = config.load("meshes/demo.yaml", overrides)
-    assert line in loop.mode_line(cfg, mesh_lib.make_mesh(cfg.mesh))
+    assert line in loop.mode_line(step.build(cfg, mesh_lib.make_mesh(cfg.mesh)))
 
 
 def test_run_dir_that_is_a_file_or_unwritable_is_refused(tmp_path):

@@ -111,7 +111,7 @@ def test_expert_and_context_parallel_losses_gradients_and_collectives():
     assert any(c.kind.startswith("all-to-all") and c.axes == ("expert",) for c in colls), colls
     assert any(c.kind.startswith("collective-permute") and c.axes == ("context",) for c in colls), colls
     # each weight's bytes per layer, by its logical names: expert weights carry `experts`
-    names = jax.tree.leaves(one.param_names, is_leaf=lambda n: isinstance(n, tuple))
+    names = jax.tree.leaves(one.layout.names, is_leaf=lambda n: isinstance(n, tuple))
     layer_bytes = [("experts" in n, math.prod(d for d, a in zip(x.shape, n) if a != "layers") * x.dtype.itemsize)
                    for n, x in zip(names, jax.tree.leaves(one.abstract_state["params"]))]
     expert_bytes = {b for is_expert, b in layer_bytes if is_expert}

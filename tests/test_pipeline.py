@@ -22,7 +22,8 @@ def setup(model, *overrides, n_devices=8):
 def loss_and_grads(prog, params, tokens_bt, runners):
     """[(loss, grads)] of the train step's loss (`step.loss_fn`) with each blocks runner, all in one
     jitted function on prog's mesh (one compile for several schedules)."""
-    losses = [step_lib.loss_fn(prog.cfg, prog.graphdef, run_blocks) for run_blocks in runners]
+    losses = [step_lib.loss_fn(prog.cfg, step_lib.loss_sums_fn(prog.cfg, prog.layout.graphdef, run_blocks))
+              for run_blocks in runners]
     params = jax.device_put(params, prog.state_shardings["params"])
     tokens_bt = jax.device_put(tokens_bt, prog.batch_sharding)
     with jax.set_mesh(prog.mesh):

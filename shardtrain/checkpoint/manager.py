@@ -9,8 +9,10 @@ resolved config. Nothing else is needed to continue exactly:
   pipeline's whole state is one integer, the global sample position. A grain iterator state
   would add nothing and would tie the checkpoint to one process count (grain's state is per
   process); the global position resumes on any number of processes and devices.
-Restoring targets the shardings of the *current* config (the `abstract_state` it is given), so a run
-resumes onto another mesh shape or device count without hand-written restore arguments.
+Restoring targets the shardings of the *current* config (the `abstract_state` a Checkpointer is
+given, `step.Program.abstract_state`), so a run resumes onto another mesh shape or device count
+without hand-written restore arguments. This package knows nothing of the step builder: it takes
+the config, the abstract state and the mesh shape.
 
 Safety: only committed steps (orbax writes `N.orbax-checkpoint-tmp`, then `commit_success.txt`
 and an atomic rename) are restored. A committed step that fails to read (files truncated or

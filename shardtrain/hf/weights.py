@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 import yaml
 
 from models import LORA_A, LORA_B, is_adapter
-from shardtrain import config as config_lib
+from shardtrain import config as config_lib, sharding
 from shardtrain.checkpoint import diagnose, listing, manager
 from shardtrain.hf import io as hf_io
 
@@ -142,20 +142,18 @@ def merge_adapters(params: dict, model: config_lib.ModelConfig) -> dict:
 
 
 def initial_state(prog, source: Source) -> dict:
-    """A fresh train state (step 0, new optimizer state) around the source's parameters; LoRA
-    adapters (model.lora.rank > 0) start fresh (B = 0: the model starts as the source)."""
-    from shardtrain import comm, optim
+    """A fresh train state of `prog` (a step.Program: step 0, new optimizer state) around the
+    source's parameters; LoRA adapters (model.lora.rank > 0) start fresh (B = 0: the model starts
+    as the source)."""
+    from shardtrain import comm
     if comm.enabled(prog.cfg):
         raise config_lib.ConfigError("checkpoint.init_from: not supported with train.comm.sync=local_sgd or a "
                                      "compressed train.comm.grad_reduce_dtype yet; start with the defaults")
-    base_abstract, adapter_abstract = split_adapters(prog.abstract_state["params"])
+    base_abstract, adapter_abstract = split_adapters(prog.layout.params)
     params = source.params(base_abstract, prog.cfg.model)
     if adapter_abstract:
-        params = merge_trees(params, fresh_adapters(prog, adapter_abstract))
-    tx = optim.make(prog.cfg)
-    make = jax.jit(lambda p: {"params": p, "opt": tx.init(p), "step": jnp.zeros((), jnp.int32)},
-                   out_shardings=prog.state_shardings, donate_argnums=0)
-    return make(params)
+        params = merge_trees(params, fresh_adapters(prog.layout, prog.cfg.train.seed))
+    return prog.fresh_state(params)
 
 
 def merge_trees(a: dict, b: dict) -> dict:
@@ -165,19 +163,11 @@ def merge_trees(a: dict, b: dict) -> dict:
     return out
 
 
-def fresh_adapters(prog, adapter_abstract: dict) -> dict:
-    """The adapters of the model initialised from train.seed (XLA drops the unused base init)."""
-    from flax import nnx
-
-    import models
-    cfg = prog.cfg
-    shardings = jax.tree.map(lambda a: a.sharding, adapter_abstract)
-
-    def init():
-        model = models.get(cfg.model.name)(cfg.model, rngs=nnx.Rngs(params=jax.random.key(cfg.train.seed)))
-        adapters = split_adapters(nnx.to_pure_dict(nnx.state(model)))[1]
-        return jax.tree.map(lambda x, a: x.astype(a.dtype), adapters, adapter_abstract)
-    return jax.jit(init, out_shardings=shardings)()
+def fresh_adapters(layout: sharding.ParamLayout, seed: int) -> dict:
+    """The LoRA adapters of the model initialised from `seed`, in the layout's shardings (XLA
+    drops the unused base init)."""
+    shardings = split_adapters(layout.shardings)[1]
+    return jax.jit(lambda: split_adapters(layout.init(jax.random.key(seed)))[1], out_shardings=shardings)()
 
 
 def write_run_config(cfg: config_lib.RunConfig, path: Path) -> None:
@@ -198,15 +188,18 @@ def run_config_of(source: Source) -> config_lib.RunConfig:
     return cfg
 
 
-def program_for(cfg: config_lib.RunConfig):
-    """A program on the config's mesh, or on one device when the mesh does not fit those present."""
-    from shardtrain import mesh as mesh_lib, step
+def fsdp_layout(cfg: config_lib.RunConfig, what: str = "import-hf / export-hf") -> sharding.ParamLayout:
+    """The parameter layout import-hf and export-hf move weights through: cfg's model by cfg's
+    rules on a mesh of every device present, all of them FSDP (mesh.fsdp=-1), whatever mesh cfg
+    trains on (the machine that converts need not be the one that trains). No train step is built;
+    a parameter the devices do not divide is a ConfigError naming it (never a fallback)."""
+    from shardtrain import mesh as mesh_lib
+    cfg = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(fsdp=-1))
     try:
-        return step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-    except config_lib.ConfigError:
-        one = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(),
-                                  train=dataclasses.replace(cfg.train, global_batch_size=1, grad_accum_steps=1))
-        return step.build(one, mesh_lib.make_mesh(one.mesh, jax.devices()[:1]))
+        return sharding.param_layout(cfg, mesh_lib.make_mesh(cfg.mesh))
+    except config_lib.ConfigError as e:
+        raise config_lib.ConfigError(f"{what} lays the parameters out over all {jax.device_count()} devices "
+                                     f"present (FSDP): {e}") from None
 
 
 def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
@@ -223,10 +216,12 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
                                  "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", *overrides])
     cfg = dataclasses.replace(cfg, model=src.model, name=f"{out.name}-ft")  # its runs: runs/NAME-ft, not OUT_DIR
     config_lib.validate(cfg)
-    prog = program_for(cfg)
-    params = src.params(prog.abstract_state["params"])
-    ckpt = manager.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)
-    ckpt.save(0, {"params": params, "step": jnp.zeros((), jnp.int32)})
+    layout = fsdp_layout(cfg, "import-hf")
+    params = src.params(layout.params)
+    state = {"params": params, "step": jnp.zeros((), jnp.int32)}  # the optimizer state starts where it is used
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    ckpt = manager.Checkpointer(cfg, abstract, layout.mesh.shape)
+    ckpt.save(0, state)
     ckpt.wait()
     ckpt.close()
     write_run_config(cfg, out / "config.yaml")
@@ -259,8 +254,7 @@ def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shar
         dtype = (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
         dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
     limit = parse_bytes(max_shard_size)
-    prog = program_for(run_config_of(source))
-    params = merge_adapters(source.params(prog.abstract_state["params"]), source.model)
+    params = merge_adapters(source.params(fsdp_layout(run_config_of(source), "export-hf").params), source.model)
     files = hf_io.export(params, source.model, out_dir, base=base, dtype=dtype, max_shard_bytes=limit,
                          side_files=source.files_dir)
     if jax.process_index() == 0:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from shardtrain import config, mesh as mesh_lib, sharding, step
+from shardtrain import config, mesh as mesh_lib, sharding
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
@@ -32,9 +32,7 @@ def our_logits(source, tokens_bt, mesh_overrides, devices=None, run_dir="/tmp/un
     """Our model's logits for `source`'s weights on a mesh."""
     cfg = config.load(None, [*mesh_overrides, "train.global_batch_size=8", f"run_dir={run_dir}"])
     cfg = dataclasses.replace(cfg, model=source.model)
-    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    prog = step.build(cfg, mesh)
-    params = source.params(prog.abstract_state["params"])
-    graphdef = nnx.split(step.abstract_model(cfg, sharding.Constrain(cfg.rules, mesh)))[0]
-    out = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens_bt)
+    layout = sharding.param_layout(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    params = source.params(layout.params)
+    out = jax.jit(lambda p, t: nnx.merge(layout.graphdef, p)(t))(params, tokens_bt)
     return np.asarray(out[0] if isinstance(out, tuple) else out)  # an MoE model: (logits, aux losses)

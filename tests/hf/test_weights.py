@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hf_reference import FIXTURES, our_logits, reference
 
-from shardtrain import cli, config, mesh as mesh_lib, step
+from shardtrain import cli, config, mesh as mesh_lib, sharding
 from shardtrain.config import ConfigError
 from shardtrain.hf import safetensors_io, weights
 from shardtrain.hf.config import model_config
@@ -62,10 +62,10 @@ def test_lora_fine_tune_from_import_then_merged_export(tmp_path, capsys):
     assert e.value.code == 0
     assert "starting from the weights of" in capsys.readouterr().out
     trained, imported = weights.find(run), weights.find(tmp_path / "imp")
-    prog = weights.program_for(weights.run_config_of(trained))
-    after = jax.tree.map(np.asarray, trained.params(prog.abstract_state["params"]))
+    layout = weights.fsdp_layout(weights.run_config_of(trained))
+    after = jax.tree.map(np.asarray, trained.params(layout.params))
     base, adapters = weights.split_adapters(after)
-    before = jax.tree.map(np.asarray, imported.params(weights.split_adapters(prog.abstract_state["params"])[0]))
+    before = jax.tree.map(np.asarray, imported.params(weights.split_adapters(layout.params)[0]))
     assert jax.tree.all(jax.tree.map(np.array_equal, base, before))  # the base is frozen
     assert sorted(adapters["blocks"]) == sorted(f"{w}_lora_{x}" for w in ("wq_dhe", "wv_dke", "wo_hed", "w_up_df")
                                                 for x in "ab")
@@ -96,8 +96,7 @@ def test_find_reads_each_safetensors_header_once(monkeypatch):
     source = weights.find(FIXTURES / "qwen3")  # three shards
     cfg = config.load(None, ["run_dir=/tmp/unused", "train.global_batch_size=8"])
     cfg = dataclasses.replace(cfg, model=source.model)
-    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
-    params = source.params(prog.abstract_state["params"])
+    params = source.params(sharding.param_layout(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1])).params)
     assert sorted(read) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     want = safetensors_io.Reader(safetensors_files(FIXTURES / "qwen3")).get("model.norm.weight")
     assert np.array_equal(np.asarray(params["final_norm"]), want)
