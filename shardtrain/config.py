@@ -334,7 +334,7 @@ class HardwareConfig:
     is given: for a TPU topology with the TPU compiler itself (libtpu), else on the devices present."""
 
     chip: Optional[str] = None
-    """A chip of shardtrain/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, cpu); None: the devices present."""
+    """A chip of shardtrain/plan/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, cpu); None: the devices present."""
     topology: Optional[str] = None
     """TPU chips per dimension of one slice, e.g. "16x16" (v5e-256) or "4x4x8" (v5p-256); None for GPUs and cpu."""
     slices: int = 1
@@ -625,7 +625,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 def validate_hardware(cfg: RunConfig) -> None:
-    from shardtrain.chips import CHIPS  # figures only: imports nothing from shardtrain
+    from shardtrain.plan.chips import CHIPS  # figures only: imports nothing from shardtrain
 
     hw = cfg.hardware
     if hw.chip is not None and hw.chip not in CHIPS:

@@ -97,3 +97,11 @@ def test_models_import_nothing_from_shardtrain():
     edges = [f"{m} imports {t}" for m, targets in graph.items() if m.split(".")[0] == "models"
              for t in targets if t.split(".")[0] == "shardtrain"]
     assert edges == []
+
+
+def test_plan_imports_nothing_from_the_training_loop():
+    graph = import_graph()
+    assert "shardtrain.plan.hlo.parse" in graph["shardtrain.plan.hlo.cost"]  # the walk sees the package
+    edges = [f"{m} imports {t}" for m, targets in graph.items() if m.startswith("shardtrain.plan")
+             for t in targets if t == "shardtrain.loop"]
+    assert edges == []
