@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from shardtrain import comm, config, hlo, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
+from shardtrain import comm, config, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
+from shardtrain.plan import hlo  # noqa: E402
 
 MODES = {
     "fp32": [],

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from shardtrain import config  # noqa: E402
 from shardtrain.data import loader, prepare, tokenize  # noqa: E402
 
-V5P_PEAK = 459e12  # bf16 FLOP/s per chip (shardtrain/chips.py)
+V5P_PEAK = 459e12  # bf16 FLOP/s per chip (shardtrain/plan/chips.py)
 
 
 def corpus(directory: Path, copies: int) -> tuple[Path, list[str]]:

@@ -1,5 +1,5 @@
 """One command on one NVIDIA GPU: train a ~1B-parameter GPT with cuDNN flash attention and report
-tokens/s and MFU (model FLOPs / the chip's dense bf16 peak from shardtrain/chips.py).
+tokens/s and MFU (model FLOPs / the chip's dense bf16 peak from shardtrain/plan/chips.py).
 
     python bench/gpu.py            # ~1.0B GPT, seq 2048, bf16, cuDNN attention, 30 steps (< 8 min)
     python bench/gpu.py --smoke    # tiny model on CPU (XLA attention): checks the script runs
@@ -17,7 +17,8 @@ import time
 import jax
 import numpy as np
 
-from shardtrain import chips, config, mesh as mesh_lib, step
+from shardtrain import config, mesh as mesh_lib, step
+from shardtrain.plan import chips
 
 ONE_B = ["model.vocab_size=32768", "model.d_model=2048", "model.n_layers=18", "model.n_heads=16",
          "model.n_kv_heads=8", "model.d_ff=7168", "data.seq_len=2048", "train.global_batch_size=8",

@@ -23,7 +23,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from models import moe as moe_lib  # noqa: E402
-from shardtrain import config, hlo, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
+from shardtrain import config, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
+from shardtrain.plan import hlo  # noqa: E402
 
 BASE = ["model.moe.n_experts=8", "model.moe.experts_per_token=2", "data.source=synthetic", "mesh.data=2", "mesh.fsdp=1",
         "mesh.tensor=1", "mesh.expert=4"]

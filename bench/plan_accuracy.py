@@ -25,8 +25,9 @@ import warnings  # noqa: E402
 import jax  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
-from shardtrain import chips, config, loop, mesh as mesh_lib, plan, search, step  # noqa: E402
+from shardtrain import config, loop, mesh as mesh_lib, step  # noqa: E402
 from shardtrain.config import MESH_AXES  # noqa: E402
+from shardtrain.plan import chips, planner, search  # noqa: E402
 
 
 def step_times(prog, compiled, state, batches, steps: int):
@@ -64,13 +65,13 @@ def main() -> None:
     meshes = []
     for sizes in search.factorisations(len(devices)):
         for m in search.microbatch_counts(cfg, sizes):
-            label = plan.mesh_label(sizes) + (f" M={m}" if m else "")
+            label = planner.mesh_label(sizes) + (f" M={m}" if m else "")
             try:
                 prog, compiled, batches = build(sizes, m)
             except Exception as e:  # rejected by the model dimensions, or a schedule that fails to build
                 print(f"skip {label}: {str(e)[:100]}", flush=True)
                 continue
-            r = plan.report(prog, compiled, cpu)
+            r = planner.report(prog, compiled, cpu)
             state, _ = step_times(prog, compiled, prog.init(cfg.train.seed), batches, 1)  # warm-up
             meshes.append({"label": label, "prog": prog, "compiled": compiled, "batches": batches,
                            "state": state, "report": r, "times": []})

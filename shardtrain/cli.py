@@ -30,7 +30,7 @@ def skip_absent_tpu() -> None:
     and machines with a TPU or a CUDA plugin are left alone."""
     import importlib.util
 
-    from shardtrain import topology
+    from shardtrain.plan import topology
     if "JAX_PLATFORMS" in os.environ or topology.tpu_present() or importlib.util.find_spec("libtpu") is None:
         return
     if importlib.util.find_spec("jax_cuda12_plugin") or importlib.util.find_spec("jax_cuda13_plugin"):
@@ -92,13 +92,13 @@ def cmd_plan(args) -> int:
         raise config_lib.ConfigError("--write needs --search (it writes the best mesh found)")
     n_devices = args.devices or mesh_devices(cfg)
     simulated_devices(n_devices)
-    from shardtrain import plan
-    devices, chip = plan.target(cfg, n_devices, args.devices, args.chip, args.topology, args.slices,
-                                args.memory_limit)
+    from shardtrain.plan import planner
+    devices, chip = planner.target(cfg, n_devices, args.devices, args.chip, args.topology, args.slices,
+                                   args.memory_limit)
     if args.search:
-        from shardtrain import search
+        from shardtrain.plan import search
         return search.main(cfg, devices, chip, as_json=args.json, write=args.write)
-    return plan.main(cfg, devices, chip, as_json=args.json)
+    return planner.main(cfg, devices, chip, as_json=args.json)
 
 
 def cmd_prepare(args) -> int:

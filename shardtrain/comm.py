@@ -301,7 +301,7 @@ def bytes_per_step(prog) -> dict[tuple[str, ...], float]:
     the *lowered* program, where the hand-written collectives keep their dtype (the CPU compiler
     shows bf16 ones as f32), with local SGD's outer sync amortised over sync_every steps. Metric
     scalars are not counted. {} for the default mode: read the compiled program instead."""
-    from shardtrain import hlo
+    from shardtrain.plan import hlo
     if not enabled(prog.cfg):
         return {}
     per_run = hlo.traffic_by_axes(hlo.lowered_collectives(prog.lower().as_text(), dict(prog.mesh.shape)))

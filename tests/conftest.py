@@ -44,15 +44,16 @@ ONE_WORKER = {
     "tests/test_multihost.py::": "the one- and two-process runs",
     "tests/checkpoint/test_checkpoint_e2e.py::": "the uninterrupted run",
     "tests/test_step.py::": "the single-device reference step",
-    "tests/test_plan.py::": "planned()",
+    "tests/plan/test_planner.py::": "planned()",
     "tests/test_step_packed.py::": "packed_loss()",
     "tests/test_pipeline.py::": "mlp_reference",
     "tests/test_scale.py::": "small",
     "tests/data/test_chat.py::": "chat_data",
-    **{f"tests/test_plan_tpu.py::{name}": "planned() (three TPU compiles)" for name in (
+    **{f"tests/plan/test_plan_tpu.py::{name}": "planned() (three TPU compiles)" for name in (
         "test_config_hardware_plans_on_the_tpu_compiler_without_flags",
         "test_tpu_argument_bytes_are_the_analytical_shard_bytes",
-        "test_tpu_fsdp_gathers_weights_and_reduce_scatters_gradients", "test_tpu_estimate_is_within_the_chip")},
+        "test_tpu_fsdp_gathers_weights_and_reduce_scatters_gradients", "test_tpu_estimate_is_within_the_chip",
+        "test_parallel_tpu_plans_keep_the_compilation_cache_off_until_the_last_one_ends")},
 }
 
 

@@ -12,9 +12,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import TINY
-from shardtrain import chips, comm, hlo, loop, mesh as mesh_lib, optim, plan, sharding, step
+from shardtrain import comm, loop, mesh as mesh_lib, optim, sharding, step
 from shardtrain.checkpoint import manager
 from shardtrain.config import ConfigError
+from shardtrain.plan import chips, hlo, planner
 
 SMALL = [*TINY, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.name=mlp", "train.steps=4",
          "optimizer.warmup_steps=1"]
@@ -88,7 +89,7 @@ def test_local_sgd_syncs_only_every_h_steps(cfg_factory):
     assert comm.bytes_per_step(prog) == {
         ("data",): pytest.approx(sharding.shard_bytes(prog.abstract_state["params"]) / 4)}
     # `shardtrain plan` reports the same per-step bytes for the mode.
-    mode = plan.report(prog, compiled, chips.CHIPS["h100"])["comm_mode"]
+    mode = planner.report(prog, compiled, chips.CHIPS["h100"])["comm_mode"]
     assert mode["sync"] == "local_sgd"
     assert mode["traffic_bytes_per_step"] == {"data": comm.bytes_per_step(prog)[("data",)]}
 

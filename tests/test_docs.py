@@ -208,8 +208,8 @@ def check_statically(c: Command, tmp_path) -> None:
         return  # the search itself lists what does not build
     n = devices_of(c)
     if args.command == "plan":  # a TPU topology (hardware: or --topology) has its own chip count
-        from shardtrain import plan, topology
-        hw = plan.hardware(cfg, args.chip, args.topology, args.slices)
+        from shardtrain.plan import planner, topology
+        hw = planner.hardware(cfg, args.chip, args.topology, args.slices)
         n = topology.chip_count(hw.topology, hw.slices) if hw.topology else n
     sizes = mesh_lib.resolve_sizes(cfg.mesh, n)
     axes = config.MESH_AXES

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from models import moe as moe_lib, no_constraint
-from shardtrain import config, hlo, mesh as mesh_lib, step as step_lib
+from shardtrain import config, mesh as mesh_lib, step as step_lib
+from shardtrain.plan import hlo
 
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64", "model.n_layers=2",
          "model.moe.n_experts=4", "model.moe.experts_per_token=2", "data.seq_len=32", "train.global_batch_size=8",

@@ -16,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 import models
 from conftest import TINY
 from models.gpt import Gpt
-from shardtrain import config, loop, mesh as mesh_lib, optim, pipeline, plan, sharding, step, weights
+from shardtrain import config, loop, mesh as mesh_lib, optim, pipeline, sharding, step
+from shardtrain.hf import weights
+from shardtrain.plan import planner
 
 GPT = [*TINY, "model.name=gpt", "model.n_heads=2", "model.n_kv_heads=2"]
 
@@ -64,7 +66,7 @@ def test_schedule_is_made_once_and_read_by_loop_and_planner(calls):
     prog = build("mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2")
     assert prog.schedule == (2, 1, 4)  # the largest M <= 4 x 2 stages dividing the 8 / 2 fsdp rows
     assert "pipeline gpipe, 2 stages, 4 micro-batches" in loop.mode_line(prog)
-    assert plan.pipeline_schedule(prog) == {"schedule": "gpipe", "stages": 2, "microbatches": 4, "repeats": 1,
+    assert planner.pipeline_schedule(prog) == {"schedule": "gpipe", "stages": 2, "microbatches": 4, "repeats": 1,
                                             "bubble_fraction": pytest.approx(1 / 5)}
     assert calls["microbatches"] == 1 and calls["model"] == 1
 

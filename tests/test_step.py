@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY
-from shardtrain import config, hlo, mesh as mesh_lib, sharding, step
+from shardtrain import config, mesh as mesh_lib, sharding, step
+from shardtrain.plan import hlo
 from shardtrain.sharding import shard_bytes
 
 SMALL = [*TINY, "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=128",

@@ -1,6 +1,6 @@
 """The shipped configs for real targets build their shardings against their model without the
 hardware: an AbstractMesh of the target's size stands in for the devices, so a rule, mesh or
-shape mistake in one of them fails here. (Tracing and compiling them: tests/test_plan_tpu.py plans
+shape mistake in one of them fails here. (Tracing and compiling them: tests/plan/test_plan_tpu.py plans
 every shipped config on the hardware it names.)"""
 
 import math

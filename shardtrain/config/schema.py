@@ -371,7 +371,7 @@ class HardwareConfig:
     is given: for a TPU topology with the TPU compiler itself (libtpu), else on the devices present."""
 
     chip: Optional[str] = None
-    """A chip of shardtrain/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, cpu); None: the devices present."""
+    """A chip of shardtrain/plan/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, cpu); None: the devices present."""
     topology: Optional[str] = None
     """TPU chips per dimension of one slice, e.g. "16x16" (v5e-256) or "4x4x8" (v5p-256); None for GPUs and cpu."""
     slices: int = 1

@@ -180,7 +180,7 @@ def validate_run_dir(run_dir: str | None) -> None:
 
 
 def validate_hardware(cfg: RunConfig) -> None:
-    from shardtrain.chips import CHIPS  # figures only: imports nothing from shardtrain
+    from shardtrain.plan.chips import CHIPS  # figures only: imports nothing from shardtrain
 
     hw = cfg.hardware
     if hw.chip is not None and hw.chip not in CHIPS:

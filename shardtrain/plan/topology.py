@@ -15,8 +15,8 @@ import importlib.util
 import math
 import os
 
-from shardtrain.chips import Chip
 from shardtrain.config import ConfigError
+from shardtrain.plan.chips import Chip
 
 
 def tpu_present() -> bool:

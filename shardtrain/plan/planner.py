@@ -5,9 +5,9 @@ Memory per device comes from `compiled.memory_analysis()`: its argument bytes (e
 into parameters (the abstract state's per-device shard shapes, exact because every sharded
 dimension divides), batch, and optimizer (the rest of the arguments: optimizer state, step counter
 and any other state); temp is XLA's temporary buffer size; total = arguments + temp + outputs that
-do not reuse a donated input. Collectives are parsed from the optimized HLO (`shardtrain/hlo.py`,
-which documents the byte conventions). FLOPs and bytes accessed per device come from
-`compiled.cost_analysis()`, which counts a while loop's body once, plus the loops' remaining
+do not reuse a donated input. Collectives are read from the optimized HLO (`plan/hlo/collectives.py`
+documents the byte conventions), which is parsed once per report. FLOPs and bytes accessed per device
+come from `compiled.cost_analysis()`, which counts a while loop's body once, plus the loops' remaining
 iterations (`hlo.loop_repeats_cost`: a pipeline schedule, gradient accumulation, a rolled scan).
 
 Roofline estimate per step: compute = FLOPs per device / peak FLOP/s, memory = bytes accessed /
@@ -19,15 +19,18 @@ largest of the three. MFU = model FLOPs (6N + attention per token) / (step time 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import threading
 import time
 
 import jax
 
-from shardtrain import chips as chips_lib, comm, hlo, mesh as mesh_lib, sharding, step as step_lib, topology
+from shardtrain import comm, mesh as mesh_lib, sharding, step as step_lib
 from shardtrain.config import MESH_AXES, ConfigError, HardwareConfig, RunConfig, validate_hardware
+from shardtrain.plan import chips as chips_lib, hlo, topology
 
 # ----------------------------------------------------------------------------- chips and devices
 
@@ -80,9 +83,8 @@ def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], ch
              dcn_axes: set[str], model_flops_step: float, n_devices: int) -> dict:
     """The roofline. Compute time is the larger of the compiled FLOPs and the model's FLOPs at peak:
     the compiler's count can fall short of the model's (a remat policy that saves every matmul and an
-    embedding lookup with no input gradient, as in meshes/gpu_1x8.yaml, whose MFU read 1.0066;
-    custom kernels such as splash attention report no FLOPs at all), and no step beats the model's
-    own FLOPs at peak. So MFU <= 1."""
+    embedding lookup with no input gradient, as in meshes/gpu_1x8.yaml; custom kernels such as splash
+    attention report no FLOPs at all), and no step beats the model's own FLOPs at peak. So MFU <= 1."""
     compute_s = max(flops_dev, model_flops_step / n_devices) / chip.peak_flops
     memory_s = bytes_dev / chip.hbm_bandwidth
     comm_s = sum(c.traffic_bytes * c.count / (chip.dcn_bandwidth if dcn_axes.intersection(c.axes)
@@ -139,15 +141,15 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     platform = mesh.devices.flat[0].platform
     optimal_s = cost.get("optimal_seconds")  # the TPU cost model's step time (its loop bodies counted once)
-    text = compiled.as_text()
-    loop_flops, loop_bytes = hlo.loop_repeats_cost(text)
+    module = hlo.parse_module(compiled.as_text())
+    loop_flops, loop_bytes = hlo.loop_repeats_cost(module)
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
     bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
-    colls = hlo.collectives(text, dict(mesh.shape))
+    colls = hlo.collectives(module, dict(mesh.shape))
     dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1}
     if platform == "tpu" and dcn_axes:  # multi-slice: libtpu's cross-slice reductions
         slices = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
-        colls += hlo.dcn_reductions(text, tuple(a for a in MESH_AXES if a in dcn_axes), slices)
+        colls += hlo.dcn_reductions(module, tuple(a for a in MESH_AXES if a in dcn_axes), slices)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     flops_token = prog.flops_per_token
     return {
@@ -195,24 +197,54 @@ def topology_name(mesh) -> str | None:
     return f"{d.device_kind}, {mesh.devices.size} chips" + (f" in {slices} slices" if slices > 1 else "")
 
 
+class _CompileCacheOff:
+    """Holds JAX's persistent compilation cache off while compiles for a TPU topology run: its
+    compile-only client cannot read entries back ("PjRtCompiler must be constructed with a Client"),
+    and a run may have switched the cache on. The switch is process-wide and JAX decides once per
+    process whether the cache is in use (hence `reset_cache`), so concurrent compiles (`search`'s
+    thread pool, plans from several threads) share one switch: the first to enter turns the cache
+    off, the last to leave turns it back to what it was."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._enabled_before = False
+
+    def __enter__(self):
+        from jax.experimental.compilation_cache import compilation_cache
+        with self._lock:
+            if self._holders == 0:
+                self._enabled_before = jax.config.jax_enable_compilation_cache
+                jax.config.update("jax_enable_compilation_cache", False)
+                compilation_cache.reset_cache()
+            self._holders += 1
+
+    def __exit__(self, *exc):
+        from jax.experimental.compilation_cache import compilation_cache
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                jax.config.update("jax_enable_compilation_cache", self._enabled_before)
+                compilation_cache.reset_cache()
+
+
+_CACHE_OFF = _CompileCacheOff()  # one per process, like the flag it guards
+
+
+def compile_cache_off(platform: str) -> contextlib.AbstractContextManager:
+    """A context in which compiles for `platform` bypass the persistent compilation cache (CPU
+    compiles keep it); enter it around a batch of compiles to switch the cache once."""
+    return contextlib.nullcontext() if platform == "cpu" else _CACHE_OFF
+
+
 def compile_fast(lowered, platform: str):
-    """Compiles for reading, not running: on CPU without LLVM optimisation (about half the compile time,
-    bench/README.md, Planner accuracy; buffer assignment, cost analysis and collectives are decided
-    before it and came out identical). A compile for a TPU topology without a TPU bypasses JAX's
-    persistent compilation cache (a run may have switched it on): its compile-only client cannot read
-    entries back ("PjRtCompiler must be constructed with a Client")."""
+    """Compiles for reading, not running: on CPU without LLVM optimisation (faster; buffer assignment,
+    cost analysis and collectives are decided before it: bench/README.md, Planner accuracy); for
+    other platforms inside `compile_cache_off`."""
     if platform == "cpu":
         return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
-    from jax.experimental.compilation_cache import compilation_cache
-
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is in use
-    try:
+    with compile_cache_off(platform):
         return lowered.compile()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()
 
 
 def compile_program(prog: step_lib.Program):

@@ -25,8 +25,9 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from shardtrain import chips as chips_lib, mesh as mesh_lib, plan, sharding, step as step_lib
+from shardtrain import mesh as mesh_lib, sharding, step as step_lib
 from shardtrain.config import MESH_AXES, ConfigError, DcnConfig, MeshConfig, RunConfig, dump, validate
+from shardtrain.plan import chips as chips_lib, planner
 
 
 def divisors(n: int) -> list[int]:
@@ -118,7 +119,7 @@ class Row:
 def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | None = None) -> dict:
     """Plans every valid mesh of len(devices) devices; returns {'rows': ranked rows, 'rejected': ...}."""
     n = len(devices)
-    limit = plan.per_device(chip, n).hbm_bytes
+    limit = planner.per_device(chip, n).hbm_bytes
     rows, rejected, todo = [], [], []
     meshes = [(ici, dcn) for dcn in dcn_placements(cfg, devices)
               for ici in factorisations(n // math.prod((dcn or {}).values()), search_axes(cfg)) if allowed(cfg, ici)]
@@ -150,31 +151,37 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
     if not rows:
         raise ConfigError(f"no mesh of {n} devices suits this model: " +
                           "; ".join(f"{r['mesh']}: {r['reason']}" for r in rejected[:4]))
+    compile_all(todo, devices[0].platform, chip, workers)
+    ranked = sorted(rows, key=rank_key)
+    if not any(r.report and r.report["fits"] for r in ranked):
+        raise ConfigError(no_fit_message(cfg, ranked, n, limit, chip))
+    return {"devices": n, "chip": chip.name, "memory_limit_bytes": limit,
+            "rows": [r.as_dict() for r in ranked], "rejected": rejected}
+
+
+def compile_all(todo: list[tuple[Row, step_lib.Program]], platform: str, chip: chips_lib.Chip,
+                workers: int | None = None) -> None:
+    """Compiles the rows' programs in a thread pool (XLA compiles outside the GIL) and fills in
+    their reports; a mesh that fails to lower or compile is marked, not raised. Lowering (Python
+    tracing) runs here, one mesh at a time, while the pool compiles."""
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
     bar = tqdm(total=len(todo), desc="compiling meshes", unit="mesh", file=sys.stderr, disable=not todo)
-
-    # Lowering (Python tracing) runs here, one mesh at a time; XLA compiles in the pool meanwhile.
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    with planner.compile_cache_off(platform), concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = {}
         for row, prog in todo:
             try:
-                futures[pool.submit(plan.compile_fast, prog.lower(), devices[0].platform)] = (row, prog)
+                futures[pool.submit(planner.compile_fast, prog.lower(), platform)] = (row, prog)
             except Exception as e:  # one mesh that does not lower must not stop the search
                 row.status = f"not built: {type(e).__name__}: {str(e)[:200]}"
                 bar.update()
         for future in concurrent.futures.as_completed(futures):
             row, prog = futures[future]
             try:
-                row.report = plan.report(prog, future.result(), chip)
+                row.report = planner.report(prog, future.result(), chip)
             except Exception as e:
                 row.status = f"not built: {type(e).__name__}: {str(e)[:200]}"
             bar.update()
     bar.close()
-    ranked = sorted(rows, key=rank_key)
-    if not any(r.report and r.report["fits"] for r in ranked):
-        raise ConfigError(no_fit_message(cfg, ranked, n, limit, chip))
-    return {"devices": n, "chip": chip.name, "memory_limit_bytes": limit,
-            "rows": [r.as_dict() for r in ranked], "rejected": rejected}
 
 
 def rank_key(row: Row):
@@ -188,11 +195,11 @@ def no_fit_message(cfg: RunConfig, rows: list[Row], n: int, limit: float, chip: 
     best = min((r for r in rows if r.state_bytes is not None), key=lambda r: r.state_bytes, default=None)
     if best is None:
         return f"no mesh of {n} devices could be built for this model"
-    head = f"no mesh of {n} devices fits {cfg.model.name} in {plan.gib(limit)} per device ({chip.name})"
+    head = f"no mesh of {n} devices fits {cfg.model.name} in {planner.gib(limit)} per device ({chip.name})"
     if best.state_bytes > limit:
         devices_needed = 2 ** math.ceil(math.log2(n * best.state_bytes / limit))
-        return (f"{head}: parameters + optimizer state alone need {plan.gib(best.state_bytes)} per device on the "
-                f"most sharded mesh ({plan.mesh_label(best.mesh)}); they would fit on about {devices_needed} "
+        return (f"{head}: parameters + optimizer state alone need {planner.gib(best.state_bytes)} per device on the "
+                f"most sharded mesh ({planner.mesh_label(best.mesh)}); they would fit on about {devices_needed} "
                 f"devices (--devices {devices_needed}) or a chip with more memory")
     compiled = [r for r in rows if r.report]
     r = min(compiled, key=lambda r: r.report["memory_per_device_bytes"]["total"])
@@ -203,28 +210,28 @@ def no_fit_message(cfg: RunConfig, rows: list[Row], n: int, limit: float, chip: 
     rows_per_step = math.prod(r.mesh[a] * (r.dcn or {}).get(a, 1) for a in ("data", "fsdp"))  # smallest batch it splits
     fix = (f"or train.global_batch_size <= about {batch}" if batch >= rows_per_step else
            "or a shorter data.seq_len; even one sequence per device does not fit, so a smaller batch alone will not do")
-    return (f"{head}: the smallest total is {plan.gib(m['total'])} on mesh {plan.mesh_label(r.mesh)}, of which "
-            f"{plan.gib(activations)} is batch and activations; try train.remat=full, train.grad_accum_steps, {fix}")
+    return (f"{head}: the smallest total is {planner.gib(m['total'])} on mesh {planner.mesh_label(r.mesh)}, of which "
+            f"{planner.gib(activations)} is batch and activations; try train.remat=full, train.grad_accum_steps, {fix}")
 
 
 def format_table(result: dict) -> str:
     head = f"{'#':>3}  {'data x pipe x fsdp x tensor':<28}{'fits':<6}{'mem/device':>14}{'comm/device':>14}" \
            f"{'est. step':>12}{'MFU':>8}  bound by"
     lines = [f"{len(result['rows'])} meshes of {result['devices']} devices on {result['chip']} "
-             f"(memory limit {plan.gib(result['memory_limit_bytes'])} per device); "
+             f"(memory limit {planner.gib(result['memory_limit_bytes'])} per device); "
              f"{len(result['rejected'])} factorisations rejected by the model's dimensions", head]
     for i, row in enumerate(result["rows"], 1):
         label = label_of(row) + (f" M={row['microbatches']}" if row["microbatches"] else "")
         r = row["report"]
         if r is None:
-            state = plan.gib(row["state_bytes_per_device"]) if row["state_bytes_per_device"] else "-"
+            state = planner.gib(row["state_bytes_per_device"]) if row["state_bytes_per_device"] else "-"
             fits = "no" if row["status"].startswith("no fit") else "-"
             lines.append(f"{i:>3}  {label:<28}{fits:<6}{state:>14}{'-':>14}{'-':>12}{'-':>8}  {row['status']}")
             continue
         e = r["estimate"]
         lines.append(f"{i:>3}  {label:<28}{'yes' if r['fits'] else 'no':<6}"
-                     f"{plan.gib(r['memory_per_device_bytes']['total']):>14}"
-                     f"{plan.gib(r['comm_traffic_bytes_per_device']):>14}{e['step_time_s'] * 1e3:>10.2f}ms"
+                     f"{planner.gib(r['memory_per_device_bytes']['total']):>14}"
+                     f"{planner.gib(r['comm_traffic_bytes_per_device']):>14}{e['step_time_s'] * 1e3:>10.2f}ms"
                      f"{e['mfu']:>8.1%}  {e['bottleneck']}")
     if result["rejected"]:
         lines.append("rejected (the model's dimensions or the batch do not split over these axes):")
@@ -235,7 +242,7 @@ def format_table(result: dict) -> str:
 def label_of(row: dict) -> str:
     """The mesh of a row; across slices, e.g. "1x1x128x1 dcn data=2" (per slice, then the DCN split)."""
     dcn = {a: s for a, s in (row.get("dcn") or {}).items() if s > 1}
-    return plan.mesh_label(row["mesh"]) + ("".join(f" dcn {a}={s}" for a, s in dcn.items()))
+    return planner.mesh_label(row["mesh"]) + ("".join(f" dcn {a}={s}" for a, s in dcn.items()))
 
 
 def write_best(cfg: RunConfig, result: dict, path: str) -> None:

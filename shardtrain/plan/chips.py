@@ -12,9 +12,9 @@ Sources (vendor spec sheets, retrieved 2026):
   v4 / v5p host, 8 per v5e / v6e host); DGX A100: one 200 Gbit/s HDR InfiniBand port per GPU (25 GB/s);
   DGX H100 / H200: one 400 Gbit/s NDR port per GPU (50 GB/s). These are the least certain figures here.
   Interconnect figures are one direction: NVLink's 600 / 900 GB/s are both directions together.
-The `cpu` entry describes this whole machine (2 shared cores), measured with calibrate_cpu()
-(float32 matmul FLOP/s, copy bandwidth) by bench/plan_accuracy.py; the planner divides it among the
-simulated devices. Its memory is an 8 GiB share of the 23 GiB host.
+The `cpu` entry describes the whole host that simulates the devices (the planner divides it among
+them): float32 matmul FLOP/s and copy bandwidth as calibrate_cpu() measures them (bench/README.md,
+Planner accuracy, records the measurement), and an 8 GiB share of the host's memory.
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ CHIPS = {c.name: c for c in [
     Chip("a100", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB, ("A100",)),
     Chip("h100", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB, ("H100",)),
     Chip("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB, ("H200",)),
-    # Whole machine, measured by calibrate_cpu() on an idle machine (2026-12-03; with other jobs
-    # sharing the cores it read 17-58 GFLOP/s and 0.5-1.2 GB/s); "ICI" is a copy in memory.
+    # The whole host, as calibrate_cpu() measured it (bench/README.md); "ICI" is a copy in memory.
     Chip("cpu", CPU_FLOPS, 8 * GiB, CPU_BANDWIDTH, CPU_BANDWIDTH, CPU_BANDWIDTH, (), host_shared=True),
 ]}
 

@@ -1,0 +1,118 @@
+"""The FLOPs and bytes that `compiled.cost_analysis()` leaves out of a step: it counts a while
+loop's body once, however many times the loop runs (a pipeline's schedule, a rolled layer scan,
+gradient accumulation). This module counts each computation's own instructions the way XLA's cost
+analysis does and multiplies them by the loop iterations cost analysis skipped (trip count - 1 per
+loop level, from `parse.multipliers`).
+
+The counting rules (`_own_cost`): 2mnk per dot; per convolution, 2 x batch x output features x input
+features x the (output, kernel) position pairs inside the input (the TPU compiler writes dots as
+convolutions); one FLOP per element of element-wise ops and reduce inputs (transcendentals are not
+FLOPs there). Bytes are what each instruction reads and writes; a fused computation works in
+registers, so its traffic is the fusion instruction's, where an operand the fusion only slices
+counts as the slices and an array updated in place counts as the update.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+from shardtrain.plan.hlo.parse import Instr, Module, as_module, dims, fusion_callee, multipliers, root, size
+
+_NO_MEMORY = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+              "after-all", "partition-id", "replica-id"}
+_SLICES = ("slice", "dynamic-slice")
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare", "select",
+                "and", "or", "xor", "not", "clamp", "sign", "floor", "ceil", "remainder"}
+
+
+def loop_repeats_cost(program: str | Module) -> tuple[float, float]:
+    """(FLOPs, bytes) per device that `compiled.cost_analysis()` leaves out, from the optimized HLO
+    (its text or the parsed Module): every computation's own cost times the extra runs that its
+    loops' trip counts give it."""
+    module = as_module(program)
+    with_trips, once = multipliers(module), multipliers(module, trips=False)
+    fused = {fusion_callee(ins) for comp in module.computations.values() for ins in comp if ins.opcode == "fusion"}
+    flops = nbytes = 0.0
+    for name, comp in module.computations.items():
+        extra = with_trips[name] - once[name]
+        if extra > 0:
+            f, b = _own_cost(comp, module, name in fused)
+            flops, nbytes = flops + extra * f, nbytes + extra * b
+    return flops, nbytes
+
+
+def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, float]:
+    """(FLOPs, bytes read + written) of a computation's own instructions (see the module doc)."""
+    shapes = {i.name: i.shape for i in comp}
+    flops = nbytes = 0.0
+    for ins in comp:
+        if ins.opcode == "dot":
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line).group(1)
+            lhs = dims(shapes.get(ins.operands[0], ""))
+            k = math.prod(lhs[int(d)] for d in contracting.split(",") if d) if lhs else 0
+            flops += 2 * math.prod(dims(ins.shape)) * k
+        elif ins.opcode == "convolution":
+            flops += _convolution_flops(ins, shapes)
+        elif ins.opcode in _ELEMENTWISE:
+            flops += math.prod(dims(ins.shape))
+        elif ins.opcode == "reduce":
+            flops += math.prod(dims(shapes.get(ins.operands[0], "")))
+        if fused or ins.opcode in _NO_MEMORY:
+            continue
+        callee = module.computations.get(fusion_callee(ins)) if ins.opcode == "fusion" else None
+        if callee is not None:
+            nbytes += _fusion_bytes(ins, shapes, callee)
+        elif ins.opcode in _SLICES:
+            nbytes += 2 * size(ins.shape)
+        elif ins.opcode == "dynamic-update-slice":
+            nbytes += 2 * size(shapes.get(ins.operands[1], ""))
+        else:
+            nbytes += size(ins.shape) + sum(size(shapes.get(o, "")) for o in ins.operands)
+    return flops, nbytes
+
+
+def _fusion_bytes(ins: Instr, shapes: dict[str, str], body: list[Instr]) -> float:
+    """Bytes a fusion reads and writes: its operands and result, except that an operand the fusion
+    only slices counts as the slices, and an array it updates in place (a dynamic-update-slice
+    root) as the update."""
+    shapes_in = {i.name: i.shape for i in body}
+    last = root(body)
+    in_place = last.operands[0] if last.opcode == "dynamic-update-slice" else None
+    users = defaultdict(list)
+    for i in body:
+        for o in i.operands:
+            users[o].append(i)
+    total = size(shapes_in[last.operands[1]]) if in_place else size(ins.shape)
+    for p in body:
+        if p.opcode != "parameter" or p.name == in_place:
+            continue
+        index = int(re.search(r"parameter\((\d+)\)", p.line).group(1))
+        full = size(shapes.get(ins.operands[index], "")) if index < len(ins.operands) else 0.0
+        if users[p.name] and all(u.opcode in _SLICES and u.operands[0] == p.name for u in users[p.name]):
+            full = min(full, sum(size(u.shape) for u in users[p.name]))
+        total += full
+    return total
+
+
+def _convolution_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """2 x batch x output features x input features x the (output, kernel) position pairs that land
+    inside the input: the TPU compiler writes dots as convolutions, batched ones with a padded window."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.line)
+    lhs, rhs = (dims(shapes.get(o, "")) for o in ins.operands[:2])
+    out = dims(ins.shape)
+    if not labels or not lhs or not rhs or "dilate" in ins.line:
+        return 0.0
+    lhs_l, rhs_l, out_l = labels.groups()
+    window = re.search(r"window=\{([^}]*)\}", ins.line)
+    attrs = dict(kv.split("=") for kv in window.group(1).split()) if window else {}
+    n_spatial = sum(c.isdigit() for c in out_l)
+    sizes = [int(x) for x in attrs["size"].split("x")] if "size" in attrs else [1] * n_spatial
+    pads = [tuple(map(int, p.split("_"))) for p in attrs["pad"].split("x")] if "pad" in attrs else [(0, 0)] * n_spatial
+    strides = [int(x) for x in attrs["stride"].split("x")] if "stride" in attrs else [1] * n_spatial
+    pairs = 1
+    for d in range(n_spatial):
+        n_in, n_out = lhs[lhs_l.index(str(d))], out[out_l.index(str(d))]
+        pairs *= sum(1 for o in range(n_out) for k in range(sizes[d]) if 0 <= o * strides[d] + k - pads[d][0] < n_in)
+    return 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * pairs

@@ -1,0 +1,106 @@
+"""The HLO reader (plan/hlo/): a hand-written module's call graph, trip counts, conditional branches
+and collectives; the loop iterations that cost analysis skips, against an unrolled loop's cost."""
+
+import jax
+import pytest
+
+from shardtrain.plan import hlo
+
+# A loop of 6 - 2 = 4 iterations whose condition is `counter < 6` and whose counter starts at the
+# constant 2 (the TPU compiler's form: no known_trip_count), an all-reduce over the 4 devices of each
+# row of a 2 x 4 mesh inside it, and one over the 2 devices of each column in a conditional's branch.
+MODULE = """HloModule demo, entry_computation_layout={(f32[1024]{0}, pred[])->f32[1024]{0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (p: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %p = (s32[], f32[1024]) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[1024]) %p), index=0
+  %x = f32[1024] get-tuple-element((s32[], f32[1024]) %p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(s32[] %i, s32[] %one)
+  %r = f32[1024] all-reduce(f32[1024] %x), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  ROOT %t = (s32[], f32[1024]) tuple(s32[] %next, f32[1024] %r)
+}
+
+%cond (p: (s32[], f32[1024])) -> pred[] {
+  %p = (s32[], f32[1024]) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[1024]) %p), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+
+%on (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024] parameter(0)
+  ROOT %g = f32[1024] all-reduce(f32[1024] %x), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+}
+
+%off (x: f32[1024]) -> f32[1024] {
+  ROOT %x = f32[1024] parameter(0)
+}
+
+ENTRY %main (x: f32[1024], c: pred[]) -> f32[1024] {
+  %x = f32[1024] parameter(0)
+  %c = pred[] parameter(1)
+  %two = s32[] constant(2)
+  %init = (s32[], f32[1024]) tuple(s32[] %two, f32[1024] %x)
+  %loop = (s32[], f32[1024]) while((s32[], f32[1024]) %init), condition=%cond, body=%body
+  %y = f32[1024] get-tuple-element((s32[], f32[1024]) %loop), index=1
+  ROOT %o = f32[1024] conditional(pred[] %c, f32[1024] %y, f32[1024] %y), true_computation=%on, false_computation=%off
+}
+"""
+MESH = {"data": 2, "fsdp": 4}
+
+
+def test_parse_reads_every_computation_and_walks_callers_first():
+    module = hlo.parse_module(MODULE)
+    assert list(module.computations) == ["add", "body", "cond", "on", "off", "main"] and module.entry == "main"
+    assert [name for name, _ in module.callers_first()] == ["main", "off", "on", "cond", "body", "add"]
+    loop = next(i for i in module.computations["main"] if i.opcode == "while")
+    assert (loop.name, loop.shape, loop.operands) == ("loop", "(s32[], f32[1024])", ["init"])
+
+
+def test_loop_runs_read_from_the_condition_or_from_xla_known_trip_count():
+    module = hlo.parse_module(MODULE)
+    assert hlo.loop_trip_counts(module) == [4]
+    runs = hlo.multipliers(module)
+    assert (runs["main"], runs["body"], runs["cond"], runs["on"], runs["off"]) == (1, 4, 1, 1, 1)
+    assert hlo.multipliers(module, trips=False)["body"] == 1  # as cost analysis counts a loop body
+    known = MODULE.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"5"}}')
+    assert hlo.loop_trip_counts(known) == [5] and hlo.multipliers(hlo.parse_module(known))["body"] == 5
+
+
+def test_collectives_are_counted_per_run_and_attributed_to_the_axes_their_groups_span():
+    rows = hlo.collectives(MODULE, MESH)
+    assert [(c.computation, c.kind, c.bytes, c.count, c.group_size, c.axes) for c in rows] == [
+        ("body", "all-reduce", 4096, 4, 4, ("fsdp",)), ("on", "all-reduce", 4096, 1, 2, ("data",))]
+    assert rows[0].traffic_bytes == 4096 * 2 * 3 / 4 and rows[1].traffic_bytes == 4096  # ring: 2(n-1)/n
+    assert hlo.collectives(hlo.parse_module(MODULE), MESH) == rows  # the parsed module reads the same
+    assert hlo.summarize(rows)["all-reduce"] == {"count": 5, "bytes": 5 * 4096, "traffic_bytes": 4 * 6144 + 4096,
+                                                 "axes": ["fsdp", "data"]}
+    assert hlo.traffic_by_axes(rows) == {("fsdp",): 4 * 6144, ("data",): 4096}
+    assert hlo.conditional_branches(MODULE) == {"on", "off", "add"}  # and what the branches call
+
+
+def test_loop_iterations_that_cost_analysis_skips_are_added():
+    def rolled(w, x):
+        return jax.lax.fori_loop(0, 10, lambda i, x: jax.numpy.tanh(x @ w), x)
+
+    def unrolled(w, x):
+        for _ in range(10):
+            x = jax.numpy.tanh(x @ w)
+        return x
+
+    args = (jax.numpy.ones((256, 256)), jax.numpy.ones((64, 256)))
+    rolled_c, unrolled_c = (jax.jit(f).lower(*args).compile() for f in (rolled, unrolled))
+    cost = {"rolled": rolled_c.cost_analysis(), "unrolled": unrolled_c.cost_analysis()}
+    flops, nbytes = hlo.loop_repeats_cost(rolled_c.as_text())
+    assert cost["rolled"]["flops"] < cost["unrolled"]["flops"] / 5  # the body counted once
+    assert cost["rolled"]["flops"] + flops == pytest.approx(cost["unrolled"]["flops"], rel=1e-3)
+    assert cost["rolled"]["bytes accessed"] + nbytes == pytest.approx(cost["unrolled"]["bytes accessed"], rel=0.05)
+    assert hlo.loop_repeats_cost(hlo.parse_module(rolled_c.as_text())) == (flops, nbytes)
+    assert hlo.loop_repeats_cost(unrolled_c.as_text()) == (0.0, 0.0)
