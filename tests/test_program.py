@@ -72,8 +72,8 @@ def test_schedule_is_made_once_and_read_by_loop_and_planner(calls):
 
 
 @pytest.mark.parametrize("mode", [["model.name=mlp"], ["model.lora.rank=4"],
-                                  ["model.name=mlp", "train.grad_reduce_dtype=int8"],
-                                  ["model.name=mlp", "train.sync=local_sgd", "train.sync_every=2"]])
+                                  ["model.name=mlp", "train.comm.grad_reduce_dtype=int8"],
+                                  ["model.name=mlp", "train.comm.sync=local_sgd", "train.comm.sync_every=2"]])
 def test_fresh_state_is_inits_state_for_the_same_params(mode):
     """One spelling of the state: fresh_state(params) equals init's state (LoRA's frozen weights
     without optimizer state; comm.py's entries included)."""

@@ -21,7 +21,7 @@ from shardtrain.checkpoint import listing
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
 BASE = ["meshes/demo.yaml", *TINY, "model.name=mlp", f"train.steps={STEPS}",
         f"optimizer.decay_steps={STEPS}", "checkpoint.every_steps=2"]
