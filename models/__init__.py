@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -110,9 +111,31 @@ def matmul_params(cfg, n_params: int) -> int:
     return n_params - (cfg.vocab_size * cfg.d_model if looked_up else 0)
 
 
+class Collectives(typing.Protocol):
+    """What `Constraint.shard_map`'s `fn` gets first: collectives over logical axes (identities on
+    an axis that is not split). The trainer's is `shardtrain.sharding.Shard`; unsharded, `Whole`."""
+
+    def size(self, name: str) -> int: ...
+    def index(self, name: str): ...
+    def psum(self, x, name: str): ...
+    def all_gather(self, x, name: str, axis: int): ...
+    def all_to_all(self, x, name: str, axis: int = 0): ...
+    def ring_shift(self, x, name: str): ...
+
+
+class Constraint(typing.Protocol):
+    """The `constrain` a model is built with. The trainer's is `shardtrain.sharding.Constrain`;
+    unsharded, `no_constraint`."""
+
+    @property
+    def platform(self) -> str | None: ...
+    def __call__(self, x, names): ...
+    def size(self, name: str) -> int: ...
+    def shard_map(self, fn, in_names, out_names): ...
+
+
 class Whole:
-    """The per-shard view of unsharded arrays: every logical axis whole, collectives are identities
-    (the trainer's `Constrain.shard_map` hands in the real one, `shardtrain.sharding.Shard`)."""
+    """The `Collectives` of unsharded arrays: every logical axis whole, collectives are identities."""
 
     def size(self, name):
         return 1
@@ -134,8 +157,7 @@ class Whole:
 
 
 class NoConstraint:
-    """The `constrain` a model gets when nobody shards it: no constraints, one shard, the default
-    backend (the trainer's is `shardtrain.sharding.Constrain`, with the same four members)."""
+    """The `Constraint` a model gets when nobody shards it: no constraints, one shard, the default backend."""
 
     platform = None
 

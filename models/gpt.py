@@ -91,12 +91,14 @@ def cached_attention(q_bthe, k_bske, v_bske, mask_bts):
     return o_btkge.reshape(b, t, h, e).astype(q_bthe.dtype)
 
 
-LOGICAL = {"wq_dhe": ("embed", "heads", None), "wk_dke": ("embed", "kv_heads", None),
-           "wv_dke": ("embed", "kv_heads", None), "wo_hed": ("heads", None, "embed"),
-           "w_gate_df": ("embed", "mlp"), "w_up_df": ("embed", "mlp"), "w_down_fd": ("mlp", "embed")}
-
-LORA_TARGETS = {"wq_dhe": "q_proj", "wk_dke": "k_proj", "wv_dke": "v_proj", "wo_hed": "o_proj",
-                "w_gate_df": "gate_proj", "w_up_df": "up_proj", "w_down_fd": "down_proj"}
+BLOCK_WEIGHTS = {  # name: (logical axes, input dims, the Hugging Face module's name)
+    "wq_dhe": (("embed", "heads", None), 1, "q_proj"), "wk_dke": (("embed", "kv_heads", None), 1, "k_proj"),
+    "wv_dke": (("embed", "kv_heads", None), 1, "v_proj"), "wo_hed": (("heads", None, "embed"), 2, "o_proj"),
+    "w_gate_df": (("embed", "mlp"), 1, "gate_proj"), "w_up_df": (("embed", "mlp"), 1, "up_proj"),
+    "w_down_fd": (("mlp", "embed"), 1, "down_proj")}
+"""The block's projection weights, the ones LoRA can adapt: one table for their axes and HF names."""
+LOGICAL = {name: axes for name, (axes, _, _) in BLOCK_WEIGHTS.items()}
+LORA_TARGETS = {name: hf_name for name, (_, _, hf_name) in BLOCK_WEIGHTS.items()}
 """Block weights LoRA can adapt: our parameter name -> the Hugging Face module name (either works)."""
 
 
@@ -125,8 +127,7 @@ class Block(nnx.Module):
             self._dense_mlp(cfg, rngs)
         self.lora_scale = cfg.lora.alpha / max(cfg.lora.rank, 1)
         for name in cfg.lora.target_params():  # low-rank adapters: A (W's input dims, r), B (r, W's output dims)
-            w, n_in, r = getattr(self, name), 2 if name == "wo_hed" else 1, cfg.lora.rank
-            names = LOGICAL[name]
+            (names, n_in, _), w, r = BLOCK_WEIGHTS[name], getattr(self, name), cfg.lora.rank
             setattr(self, name + LORA_A, param(rngs, normal(math.prod(w.shape[:n_in]) ** -0.5),
                                               (*w.shape[:n_in], r), (*names[:n_in], None)))
             setattr(self, name + LORA_B, param(rngs, zeros, (r, *w.shape[n_in:]), (None, *names[n_in:])))

@@ -41,7 +41,7 @@ def skip_absent_tpu() -> None:
 def prepare_dir(path: str, field_name: str) -> None:
     """Creates a local output directory and checks that it can be written, so that a run_dir that
     is a file or read-only stops before anything is compiled. gs:// paths are left to orbax."""
-    if path.startswith("gs://"):
+    if config_lib.is_url(path):
         return
     p = Path(path)
     blocker = next((q for q in [p, *p.parents] if q.exists()), None)
@@ -68,7 +68,7 @@ def cmd_train(args) -> int:
         raise config_lib.ConfigError(f"run_dir={cfg.run_dir} is checkpoint.init_from itself, so the run would resume "
                                      "from those weights' checkpoint; give the run its own run_dir=DIR")
     prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
-    if not cfg.checkpoint_dir().startswith("gs://"):
+    if not config_lib.is_url(cfg.checkpoint_dir()):
         prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import loop

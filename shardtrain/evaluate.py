@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import jax
 
@@ -40,26 +39,11 @@ class Evaluator:
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": count}
 
 
-def checkpoint_location(path: str) -> tuple[str, int | None]:
-    """A run dir, a checkpoints dir (its newest step) or one step's dir -> (checkpoints dir, step)."""
-    p = Path(path)
-    if path.startswith("gs://"):
-        return path.rstrip("/"), None
-    if not p.exists():
-        raise ConfigError(f"checkpoint '{path}' does not exist; give a run dir, its checkpoints/ dir "
-                          "or a step dir in it")
-    if (p / "checkpoints").is_dir():
-        return str(p / "checkpoints"), None
-    if p.name.isdigit() and ((p / "meta").exists() or (p / "state").exists()):
-        return str(p.parent), int(p.name)
-    return str(p), None
-
-
 def main(cfg: RunConfig, checkpoint_path: str) -> int:
     """`shardtrain eval CONFIG CHECKPOINT`: prints one JSON line {step, eval_loss, eval_perplexity}."""
     from shardtrain import mesh as mesh_lib, step as step_lib
-    from shardtrain.checkpoint import manager
-    directory, step = checkpoint_location(checkpoint_path)
+    from shardtrain.checkpoint import listing, manager
+    directory, step = listing.locate(checkpoint_path)
     directory = config_lib.absolute(directory)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, directory=directory))
     loader.eval_samples(cfg)  # data errors before compiling

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -146,16 +145,14 @@ def param_layout(cfg: RunConfig, mesh: Mesh) -> ParamLayout:
 class Constrain:
     """Activation sharding constraint by logical names: `constrain(x_btd, ("batch", "seq", "activation_embed"))`.
 
-    Built by the trainer from the rules and mesh and handed to the model; the default
-    (`mesh=None`) does nothing, so models also run unsharded.
+    Built by the trainer from the rules and mesh and handed to the model: the `models.Constraint`
+    whose unsharded counterpart is `models.no_constraint`.
     """
 
-    rules: RulesConfig = RulesConfig()
-    mesh: Mesh | None = None
+    rules: RulesConfig
+    mesh: Mesh
 
     def __call__(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-        if self.mesh is None:
-            return x
         spec = spec_for(names, self.rules, self.mesh, shape=x.shape, what=f"activation {names} {x.shape}")
         # inside a shard_map (e.g. the pipeline's, manual over `pipeline`) constrain the other axes
         # on the current abstract mesh, whose manual axes the spec must not name
@@ -165,22 +162,20 @@ class Constrain:
 
     @property
     def platform(self) -> str | None:
-        """Platform of the mesh's devices ('tpu' for abstract TPU topology devices), or None (no mesh,
-        or an AbstractMesh, which has no devices)."""
-        if self.mesh is None or isinstance(self.mesh, jax.sharding.AbstractMesh):
+        """Platform of the mesh's devices ('tpu' for abstract TPU topology devices), or None for an
+        AbstractMesh, which has no devices."""
+        if isinstance(self.mesh, jax.sharding.AbstractMesh):
             return None
         return self.mesh.devices.flat[0].platform
 
-    def split_axes(self, name: str) -> tuple[str, ...]:
-        """Mesh axes (of size > 1) that logical axis `name` is split over; () without a mesh."""
-        if self.mesh is None:
-            return ()
+    def _split_axes(self, name: str) -> tuple[str, ...]:
+        """Mesh axes (of size > 1) that logical axis `name` is split over."""
         return tuple(a for a in mesh_axes(getattr(self.rules, name)) if self.mesh.shape[a] > 1)
 
     def size(self, name: str) -> int:
-        """Ways logical axis `name` is split (1 without a mesh): a model asks `size("seq")` to pick
-        ring attention, never which mesh axes those are."""
-        return axes_size(self.mesh, self.split_axes(name)) if self.mesh is not None else 1
+        """Ways logical axis `name` is split: a model asks `size("seq")` to pick ring attention, never
+        which mesh axes those are."""
+        return axes_size(self.mesh, self._split_axes(name))
 
     def shard_map(self, fn, in_names, out_names):
         """`fn(shard, *local_arrays)` run on each device's shards (a `jax.shard_map` manual over every
@@ -188,15 +183,13 @@ class Constrain:
         leave out see replicated data): for kernels that need local shapes (splash attention) and
         for code that moves data between devices (MoE dispatch, ring attention). `shard` (a `Shard`)
         offers collectives over logical axes, so `fn` never names a mesh axis. `out_names`: one
-        tuple of names, or a tuple of them for several outputs. No mesh: `fn(Shard.UNSHARDED, ...)`
-        on the whole arrays. Varying-manual-axes checking is off (`check_vma=False`): Pallas kernels
-        (splash) do not declare it; the collectives above are the only cross-device ones."""
-        if self.mesh is None:
-            return functools.partial(fn, Shard.UNSHARDED)
+        tuple of names, or a tuple of them for several outputs. Varying-manual-axes checking is off
+        (`check_vma=False`): Pallas kernels (splash) do not declare it; the collectives above are
+        the only cross-device ones."""
         current = jax.sharding.get_abstract_mesh()
         mesh = current if current.manual_axes else self.mesh
         free = frozenset(a for a in self.mesh.axis_names if a not in current.manual_axes)
-        axes = {n: self.split_axes(n) for n in LOGICAL_AXES}
+        axes = {n: self._split_axes(n) for n in LOGICAL_AXES}
         shard = Shard({n: a for n, a in axes.items() if a and set(a) <= free},
                       {a: int(self.mesh.shape[a]) for a in free})
 
@@ -213,14 +206,13 @@ class Constrain:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Collectives over logical axes inside `Constrain.shard_map` (identities when unsharded)."""
+    """Collectives over logical axes inside `Constrain.shard_map` (a `models.Collectives`; an axis
+    not split here gets identities)."""
 
     axes: dict
     """logical name -> its mesh axes (size > 1, manual here); absent names are not split."""
     sizes: dict
     """manual mesh axis -> size."""
-
-    UNSHARDED: typing.ClassVar[Shard]
 
     def size(self, name: str) -> int:
         return math.prod(self.sizes[a] for a in self.axes.get(name, ()))
@@ -255,5 +247,3 @@ class Shard:
         n = self.size(name)
         return jax.lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
 
-
-Shard.UNSHARDED = Shard({}, {})

@@ -122,9 +122,3 @@ def test_expert_and_context_parallel_losses_gradients_and_collectives():
     assert gathered and all(c.bytes in other_bytes and "context" not in c.axes for c in gathered), gathered
 
 
-def test_meshless_constrain_runs_the_layer_as_the_model_alone_does():
-    from shardtrain import sharding
-    cfg, layer, h_btd = layer_and_input()
-    alone = jax.jit(layer)(h_btd)[0]
-    layer.constrain = sharding.Constrain()
-    np.testing.assert_array_equal(np.asarray(jax.jit(layer)(h_btd)[0]), np.asarray(alone))

@@ -116,3 +116,22 @@ def test_checkpointing_does_not_import_the_step_builder():
     code = "import sys, shardtrain.checkpoint; assert 'shardtrain.step' not in sys.modules, sorted(sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_lowered_demo_step_is_the_recorded_program():
+    """Refactors keep the program: meshes/demo.yaml's lowered step is byte-identical to the one
+    recorded in tests/golden/lowered_demo.json (a deliberate change of the program rewrites that
+    file: sha256 prefix and length of `prog.lower().as_text()`). Another jax/flax/optax version
+    lowers differently, so the record names the versions it holds for."""
+    import hashlib
+    import json
+
+    import flax
+    import optax
+    golden = json.loads((Path(__file__).parent / "golden" / "lowered_demo.json").read_text())
+    versions = {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
+    if any(golden[k] != v for k, v in versions.items()):
+        pytest.skip(f"golden recorded with {[golden[k] for k in versions]}, running {list(versions.values())}")
+    cfg = config.load(str(Path(__file__).parents[1] / "meshes" / "demo.yaml"), [])
+    text = step.build(cfg, mesh_lib.make_mesh(cfg.mesh)).lower().as_text()
+    assert (hashlib.sha256(text.encode()).hexdigest()[:16], len(text)) == (golden["sha256"], golden["chars"])

@@ -68,7 +68,7 @@ def damaged_files(step_dir: epath.Path, size: int | None = None) -> list[str]:
     """The files of a local step directory that are missing, not valid JSON, or truncated (empty,
     or of exactly `size` bytes: the size tensorstore found a value's byte range beyond)."""
     root = Path(str(step_dir))
-    if str(step_dir).startswith("gs://") or not root.is_dir():
+    if config_lib.is_url(step_dir) or not root.is_dir():
         return []
     found = []
     for rel in STEP_FILES:

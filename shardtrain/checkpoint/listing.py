@@ -71,9 +71,10 @@ def read_meta(step_dir: epath.Path) -> dict | None:
 
 
 def disk_bytes(path: epath.Path) -> int:
-    if str(path).startswith("gs://"):
+    if config_lib.is_url(path):
         import fsspec
-        return int(fsspec.filesystem("gs").du(str(path)))
+        fs, inner = fsspec.core.url_to_fs(str(path))
+        return int(fs.du(inner))
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
@@ -87,6 +88,20 @@ def checkpoint_dir_of(run_dir: str) -> str:
     if (epath.Path(run_dir) / "checkpoints").exists():
         return str(epath.Path(run_dir) / "checkpoints")
     return run_dir
+
+
+def locate(path: str, what: str = "checkpoint") -> tuple[str, int | None]:
+    """Where a path's checkpoints are: a run dir, a checkpoints dir or one step's dir -> (the
+    checkpoints dir, that step or None for the newest). The one resolver eval, generate and export use."""
+    if config_lib.is_url(path):
+        return str(path).rstrip("/"), None
+    p = epath.Path(path)
+    if not p.exists():
+        raise config_lib.ConfigError(f"{what} '{path}' does not exist; give a run dir, its checkpoints/ dir "
+                                     "or a step dir in it")
+    if p.name.isdigit() and ((p / "meta").exists() or (p / "state").exists()):
+        return str(p.parent), int(p.name)
+    return checkpoint_dir_of(str(p)), None
 
 
 def describe_mesh(meta: dict | None) -> str:

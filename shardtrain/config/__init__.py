@@ -30,6 +30,7 @@ from shardtrain.config.schema import (
     RulesConfig,
     RunConfig,
     TrainConfig,
+    is_url,
     mesh_axes,
 )
 from shardtrain.config.validate import validate, validate_hardware, validate_optimizer
@@ -38,6 +39,6 @@ __all__ = [
     "MESH_AXES", "MOVED", "AxisRule", "CheckpointConfig", "CommConfig", "ConfigError", "DataConfig", "DcnConfig",
     "HardwareConfig", "LoraConfig", "MeshConfig", "MixtureEntry", "ModelConfig", "MoeConfig", "OptimizerConfig",
     "PipelineConfig", "RopeScalingConfig", "RulesConfig", "RunConfig", "TrainConfig", "absolute", "dump",
-    "from_dict", "load", "mesh_axes", "read_yaml", "resolve_paths", "to_dict", "validate", "validate_hardware",
-    "validate_optimizer",
+    "from_dict", "is_url", "load", "mesh_axes", "read_yaml", "resolve_paths", "to_dict", "validate",
+    "validate_hardware", "validate_optimizer",
 ]

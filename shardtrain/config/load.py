@@ -19,7 +19,7 @@ from typing import Literal
 
 import yaml
 
-from shardtrain.config.schema import MOVED, ConfigError, RunConfig
+from shardtrain.config.schema import MOVED, ConfigError, RunConfig, is_url
 from shardtrain.config.validate import validate
 
 
@@ -181,7 +181,7 @@ def absolute(path: str | None) -> str | None:
     """A path the user gave, made absolute against the current directory once, at load time (so
     that a later chdir or a library that insists on absolute paths cannot break it); URLs such as
     gs://... are returned untouched."""
-    if path is None or "://" in path:
+    if path is None or is_url(path):
         return path
     return os.path.abspath(os.path.expanduser(path))
 

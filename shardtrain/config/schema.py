@@ -19,6 +19,11 @@ class ConfigError(ValueError):
     """A mistake in user input (config, overrides, mesh, data, checkpoint). Exit code 2."""
 
 
+def is_url(location: str) -> bool:
+    """A remote location (gs://, s3://, ...) rather than a local path."""
+    return "://" in str(location)
+
+
 MESH_AXES = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
 """Mesh axis names, outermost (slowest, across hosts) first. `expert` and `context` sit inside
 fsdp and outside tensor: their collectives (an all-to-all per MoE layer, a ring of key/value

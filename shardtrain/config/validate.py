@@ -26,6 +26,7 @@ from shardtrain.config.schema import (
     RulesConfig,
     RunConfig,
     TrainConfig,
+    is_url,
     mesh_axes,
 )
 
@@ -174,7 +175,7 @@ def validate_lora(m: ModelConfig, comm: CommConfig) -> None:
 
 
 def validate_run_dir(run_dir: str | None) -> None:
-    if str(run_dir).startswith("gs://"):
+    if is_url(run_dir):
         raise ConfigError(f"run_dir={run_dir}: must be a local directory (metrics, plots); put "
                           "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")
 

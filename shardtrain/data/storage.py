@@ -28,14 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
+from shardtrain.config import is_url
+
 INDEX_BLOCK = 1 << 15
 """Bytes of an index read at once for single elements (4096 int64 entries): RangeArray's default."""
 OPEN_THREADS = 32
 """Shards checked at once when a split opens from a URL (a few requests each)."""
-
-
-def is_url(location: str) -> bool:
-    return "://" in location
 
 
 def find_files(spec: str) -> list[str]:

@@ -70,11 +70,11 @@ def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
     if hf_io.is_hf_dir(p):
         hf_dir = hf_io.HfDir(p)  # checks architecture, shards and shapes before any work
         return Source(p, hf_dir.model, {}, hf_dir=hf_dir, files_dir=p)
-    if (p / "state").is_dir():
-        step_dir = p
+    ckpt_dir, step = listing.locate(str(p), what)
+    if step is not None:
+        step_dir = Path(ckpt_dir) / str(step)
     else:
-        ckpt_dir = Path(listing.checkpoint_dir_of(str(p)))
-        committed = [s for s in listing.scan(str(ckpt_dir)) if s.state == "committed"]
+        committed = [s for s in listing.scan(ckpt_dir) if s.state == "committed"]
         if not committed:
             raise config_lib.ConfigError(f"{what}: '{path}' holds no committed checkpoint and no Hugging Face "
                                          "model (config.json + *.safetensors)")
