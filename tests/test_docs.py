@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cli_env
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "launch/README.md", "bench/README.md"]
 PLACEHOLDERS = {"TPU_NAME": "my-tpu", "ZONE": "us-central2-b", "CONFIG": "meshes/demo.yaml", "N": "2",
@@ -251,7 +253,7 @@ def run(c: Command, extra=(), timeout=900, cwd=REPO):
     argv = c.argv
     if argv[0] == "shardtrain":
         argv = [sys.executable, "-m", "shardtrain.cli", *argv[1:]]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = cli_env()
     env |= {"JAX_PLATFORMS": "cpu", "SHARDTRAIN_CMD": f"{sys.executable} -m shardtrain.cli",
             "SHARDTRAIN_HEARTBEAT_TIMEOUT": "100",  # local.sh's 10 s misfires when CI's 2 cores compile twice
             **c.env}

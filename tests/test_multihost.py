@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 def env() -> dict:
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    e = conftest.cli_env()
     e.update(SHARDTRAIN_CMD=f"{sys.executable} -m shardtrain.cli", PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
              SHARDTRAIN_HEARTBEAT_TIMEOUT="10")
     return e
@@ -209,7 +209,7 @@ def leave_after_error(delays: tuple[float, float], wait_for_peers_s: float) -> t
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cluster = {"SHARDTRAIN_COORDINATOR": f"127.0.0.1:{port}", "SHARDTRAIN_NUM_PROCESSES": "2",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+               "XLA_FLAGS": f"{conftest.FAST_COMPILE} --xla_force_host_platform_device_count=1"}
     procs = [subprocess.Popen([sys.executable, "-c", LEAVE, str(delay), str(wait_for_peers_s)], cwd=REPO,
                               env={**env(), **cluster, "SHARDTRAIN_PROCESS_ID": str(i)}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for i, delay in enumerate(delays)]

@@ -5,7 +5,6 @@ per-chip argument bytes against the analytical shard bytes, the TPU's collective
 import functools
 import glob
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ import threading
 import jax
 import pytest
 
+from conftest import cli_env
 from shardtrain import config, mesh as mesh_lib, sharding, step
 from shardtrain.plan import chips, planner, topology
 
@@ -170,7 +170,7 @@ TPU_SHIPPED = [p for p in SHIPPED if config.load(p).hardware.topology]
 @pytest.mark.parametrize("path", [p for p in SHIPPED if p not in TPU_SHIPPED])
 def test_every_shipped_config_fits_the_hardware_it_names(path):
     """`shardtrain plan CONFIG`, no flags: GPU configs through the CPU compiler (an upper bound), demo on cpu."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets the mesh's device count
+    env = cli_env()  # the CLI sets the mesh's device count
     out = subprocess.run([sys.executable, "-m", "shardtrain.cli", "plan", path, "--json"], env=env,
                          capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-2000:]

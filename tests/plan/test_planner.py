@@ -3,14 +3,13 @@ agreement with the compiled train step, the roofline against hand-computed times
 
 import functools
 import json
-import os
 import subprocess
 import sys
 
 import jax
 import pytest
 
-from conftest import TINY
+from conftest import TINY, cli_env
 from shardtrain import cli, config, mesh as mesh_lib, pipeline, step
 from shardtrain.plan import chips, hlo, planner
 
@@ -167,7 +166,7 @@ def test_plan_a_1b_gpt_on_256_devices(tmp_path):
     overrides = ["model.d_model=2048", "model.n_heads=16", "model.n_kv_heads=16", "model.d_ff=5632",
                  "model.n_layers=20", "data.seq_len=2048", "train.global_batch_size=256", "train.remat=full",
                  "mesh.data=16", "mesh.fsdp=16", "mesh.tensor=1"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = cli_env()
     out = subprocess.run([sys.executable, "-m", "shardtrain.cli", "plan", "meshes/demo.yaml", *overrides,
                           "--chip", "v5p", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
