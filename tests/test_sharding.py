@@ -84,16 +84,3 @@ def test_indivisible_batch(cfg_factory):
     with pytest.raises(ConfigError,
                        match=r"batch .*dimension 0 \('batch'\) of size 12 is not divisible by mesh axes data = 8"):
         step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-
-
-def test_mesh_product_must_match_devices():
-    with pytest.raises(ConfigError, match="needs 12 devices but 8 are present"):
-        mesh_lib.make_mesh(config.MeshConfig(data=3, fsdp=2, tensor=2))
-    with pytest.raises(ConfigError, match="does not divide the 8 devices"):
-        mesh_lib.make_mesh(config.MeshConfig(data=-1, tensor=3))
-
-
-def test_minus_one_takes_the_rest():
-    mesh = mesh_lib.make_mesh(config.MeshConfig(data=-1, tensor=2))
-    assert dict(mesh.shape) == {"data": 4, "pipeline": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2}
-    assert mesh_lib.make_mesh(config.MeshConfig(), devices=jax.devices()[:1]).size == 1
