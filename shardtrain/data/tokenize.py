@@ -45,6 +45,12 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for t in texts]
 
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def token_to_id(self, token: str) -> None:
+        return None
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
@@ -126,6 +132,9 @@ class HfTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tok.id_to_token(token_id)
 
     def _eos_id(self, eos: str | None, required: bool = True) -> int | None:
         names = (eos,) if eos else EOS_NAMES
