@@ -19,6 +19,8 @@ from shardtrain.data import tokenize
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
               "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
 """A model directory's files besides its weights and config.json that travel with it."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+"""What makes a directory the tokenizer's (a sentencepiece tokenizer.model is converted when loaded)."""
 ID_FILES = ("generation_config.json", "hf_config.json", "config.json", "manifest.json")
 """Where a directory names its special token ids, most specific first (manifest.json: `eos_id`)."""
 
@@ -34,7 +36,7 @@ def _json(path: Path) -> dict:
 @dataclasses.dataclass(frozen=True)
 class TokenizerFiles:
     dir: Path | None
-    """The first directory of the chain holding a tokenizer.json (None: none does)."""
+    """The first directory of the chain holding a tokenizer.json or tokenizer.model (None: none does)."""
     byte_ids: bool
     """No tokenizer file, and the weights read UTF-8 bytes (data.source=text, or prepare --tokenizer bytes)."""
     eos_ids: tuple[int, ...] = ()
@@ -45,7 +47,7 @@ class TokenizerFiles:
     def load(self) -> tokenize.HfTokenizer | tokenize.ByteTokenizer | None:
         """The tokenizer (None when there is none); its EOS is the one found here, not its own guess."""
         if self.dir is not None:
-            return tokenize.HfTokenizer(self.dir / "tokenizer.json", require_eos=False)
+            return tokenize.HfTokenizer(tokenize.tokenizer_file(str(self.dir)), require_eos=False)
         return tokenize.ByteTokenizer() if self.byte_ids else None
 
 
@@ -78,7 +80,7 @@ def _token_of_config(d: Path | None, tok, key: str) -> int | None:
 def find(dirs: list[Path], run_config: dict) -> TokenizerFiles:
     """The tokenizer and special tokens of the chain `dirs`; `run_config` (the weights' run config as
     a dict, {} for an HF directory) says whether a chain without a tokenizer read bytes."""
-    tok_dir = next((d for d in dirs if (d / "tokenizer.json").is_file()), None)
+    tok_dir = next((d for d in dirs if any((d / n).is_file() for n in TOKENIZER_FILES)), None)
     data = run_config.get("data") or {}
     bytes_prepared = any(_json(d / "manifest.json").get("tokenizer") == "bytes" for d in dirs)
     found = TokenizerFiles(tok_dir, tok_dir is None and (data.get("source") == "text" or bytes_prepared))
@@ -126,6 +128,8 @@ def write(out: Path, found: TokenizerFiles) -> str | None:
         return ("no tokenizer found in the run dir, checkpoint.init_from or the run's data.path: the export has "
                 "weights only; copy the tokenizer.json the data was prepared with into it")
     specials = {k: v for k, v in (("eos_token", found.eos_token), ("bos_token", found.bos_token)) if v is not None}
-    config = _json(out / "tokenizer_config.json") or {"tokenizer_class": "PreTrainedTokenizerFast"}
+    config = _json(out / "tokenizer_config.json")
+    if not config and (out / "tokenizer.json").is_file():
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"}  # transformers loads tokenizer.json as it is
     (out / "tokenizer_config.json").write_text(json.dumps({**specials, **config}, indent=2) + "\n")
     return None

@@ -248,3 +248,17 @@ def test_eos_token_is_known_without_tokenizer_config_and_an_undefined_variable_e
         code, err = run_cli(capsys, "prepare", str(root / "chat.jsonl"), "--tokenizer", str(bare), "--out",
                             str(tmp_path / "out"), "--chat")
         assert code == 2 and f"'{variable}' is undefined" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_example_template_turns_a_base_model_into_a_chat_model(tmp_path, chat_data):
+    """examples/chat_template.jinja (README): BOS once, each reply and its EOS are the assistant's tokens."""
+    d = tmp_path / "base"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_text((chat_data[1]["plain"][0] / name).read_text())
+    (d / "chat_template.jinja").write_text((Path(__file__).parents[2] / "examples" / "chat_template.jinja").read_text())
+    template = chat.ChatTemplate(d, tokenize.load(str(d)))
+    text, spans = template.render(CONVERSATIONS[1], "x")
+    replies = [m["content"] for m in CONVERSATIONS[1] if m["role"] == "assistant"]
+    assert text.startswith("<bos>User: ") and [text[lo:hi] for lo, hi in spans] == [f" {r}<eos>\n" for r in replies]
+    assert template.prompt(CONVERSATIONS[1][:1]).endswith("\nAssistant:")
