@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from shardtrain.config import ConfigError
+from shardtrain.data import storage, tokenize
 
 ROLES = ("system", "user", "assistant", "tool")
 FIELD = "messages"
@@ -62,29 +63,20 @@ def special_tokens(tokenizer_dir: Path, tokenizer=None) -> dict[str, str]:
     BOS / EOS ids that generation_config.json, hf_config.json, config.json or manifest.json name (as
     tokens of `tokenizer`), then the tokenizer's own EOS (what `prepare` ends documents with)."""
     out = {}
-    for key, value in _json(tokenizer_dir / "tokenizer_config.json").items():
+    for key, value in storage.json_object(tokenizer_dir / "tokenizer_config.json").items():
         value = value.get("content") if isinstance(value, dict) else value
         if key.endswith("_token") and isinstance(value, str):
             out[key] = value
     if tokenizer is None:
         return out
-    configs = [_json(tokenizer_dir / n) for n in ("generation_config.json", "hf_config.json", "config.json",
-                                                  "manifest.json")]
-    for key, id_keys, last in (("bos_token", ("bos_token_id",), None), ("eos_token", ("eos_token_id", "eos_id"),
-                                                                         tokenizer.eos_id)):
-        tokens = [_token(tokenizer, c.get(k)) for c in configs for k in id_keys] + [_token(tokenizer, last)]
-        found = next((t for t in tokens if t is not None), None)
-        if key not in out and found is not None:
-            out[key] = found
+    configs = [storage.json_object(tokenizer_dir / name) for name in tokenize.ID_FILES]
+    named = {"bos_token": [c.get("bos_token_id") for c in configs],
+             "eos_token": [c.get(k) for c in configs for k in ("eos_token_id", "eos_id")] + [tokenizer.eos_id]}
+    for key, ids in named.items():
+        token = next((t for t in (_token(tokenizer, i) for i in ids) if t is not None), None)
+        if token is not None:
+            out.setdefault(key, token)
     return out
-
-
-def _json(path: Path) -> dict:
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
 
 
 def _token(tokenizer, token_id) -> str | None:
@@ -146,12 +138,11 @@ class ChatTemplate:
         self.source, self.where = find_template(tokenizer_dir)
         self.tokenizer_dir = tokenizer_dir
         self.variables = {"tools": None, "documents": None, **special_tokens(tokenizer_dir, tokenizer)}
-        where = self.where
         self.env = _environment()
         try:
             self.template = self.env.from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
-            raise ConfigError(f"{where}: the chat template does not parse ({e.message}, template line "
+            raise ConfigError(f"{self.where}: the chat template does not parse ({e.message}, template line "
                               f"{e.lineno})") from None
         self.tracked = bool(GENERATION_TAG.search(self.source))
 

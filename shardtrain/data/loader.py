@@ -156,8 +156,8 @@ def describe(cfg: RunConfig, opened: list) -> str:
         return (f"data: synthetic arithmetic sequences modulo model.vocab_size={cfg.model.vocab_size} "
                 f"(seed {cfg.train.seed}), no files")
     text = opened[0]
-    where = cfg.data.path or "the Python standard library's *.py files"
-    return (f"data: text bytes (ids 0..255) of {text.files} file{'s' * (text.files != 1)} in {where}: "
+    where = f"in {cfg.data.path}" if cfg.data.path else "(the Python standard library's *.py)"
+    return (f"data: text bytes (ids 0..255) of {text.files} file{'s' * (text.files != 1)} {where}: "
             f"{len(text.corpus)} bytes, "
             f"{len(text)} train windows, the last 1/{EVAL_TEXT_WINDOWS} held out for eval")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import glob
 import io
+import json
 import os
 import threading
 from pathlib import Path
@@ -45,6 +46,15 @@ def find_files(spec: str) -> list[str]:
     if path.is_file():
         return [spec]
     return sorted(f for f in glob.glob(spec, recursive=True) if Path(f).is_file())
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in a local file; {} when it is missing, not JSON or not an object."""
+    try:
+        found = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def text_problem(data: bytes) -> str | None:

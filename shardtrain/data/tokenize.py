@@ -30,6 +30,9 @@ import numpy as np
 from shardtrain.config import ConfigError
 
 EOS_NAMES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>")
+ID_FILES = ("generation_config.json", "hf_config.json", "config.json", "manifest.json")
+"""Where a model or prepared directory names its special token ids (eos_token_id / bos_token_id; a
+prepare manifest: eos_id), most specific first (hf_config.json: import-hf's copy of config.json)."""
 TIKTOKEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                     r"\s*[\r\n]+|\s+(?!\S)|\s+")
 """How a tiktoken vocabulary splits text before BPE (cl100k_base's pattern, also Llama 3's)."""

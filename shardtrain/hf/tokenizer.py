@@ -14,23 +14,13 @@ import json
 import shutil
 from pathlib import Path
 
-from shardtrain.data import tokenize
+from shardtrain.data import storage, tokenize
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
               "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
 """A model directory's files besides its weights and config.json that travel with it."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 """What makes a directory the tokenizer's (a sentencepiece tokenizer.model is converted when loaded)."""
-ID_FILES = ("generation_config.json", "hf_config.json", "config.json", "manifest.json")
-"""Where a directory names its special token ids, most specific first (manifest.json: `eos_id`)."""
-
-
-def _json(path: Path) -> dict:
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +50,8 @@ def _ids(value) -> tuple[int, ...]:
 def _named(dirs: list[Path], key: str) -> tuple[int, ...]:
     """The ids the first directory that names `key` (eos_token_id / bos_token_id) gives."""
     for d in dirs:
-        for name in ID_FILES:
-            config = _json(d / name)
+        for name in tokenize.ID_FILES:
+            config = storage.json_object(d / name)
             found = _ids(config.get(key, config.get("eos_id") if key == "eos_token_id" else None))
             if found:
                 return found
@@ -72,7 +62,7 @@ def _token_of_config(d: Path | None, tok, key: str) -> int | None:
     """The id of tokenizer_config.json's `key` (eos_token / bos_token) in `tok`."""
     if d is None or tok is None:
         return None
-    token = _json(d / "tokenizer_config.json").get(key)
+    token = storage.json_object(d / "tokenizer_config.json").get(key)
     token = token.get("content") if isinstance(token, dict) else token
     return tok.token_to_id(token) if isinstance(token, str) else None
 
@@ -82,7 +72,7 @@ def find(dirs: list[Path], run_config: dict) -> TokenizerFiles:
     a dict, {} for an HF directory) says whether a chain without a tokenizer read bytes."""
     tok_dir = next((d for d in dirs if any((d / n).is_file() for n in TOKENIZER_FILES)), None)
     data = run_config.get("data") or {}
-    bytes_prepared = any(_json(d / "manifest.json").get("tokenizer") == "bytes" for d in dirs)
+    bytes_prepared = any(storage.json_object(d / "manifest.json").get("tokenizer") == "bytes" for d in dirs)
     found = TokenizerFiles(tok_dir, tok_dir is None and (data.get("source") == "text" or bytes_prepared))
     tok = found.load()
     eos = _named(dirs, "eos_token_id")
@@ -119,7 +109,7 @@ def write(out: Path, found: TokenizerFiles) -> str | None:
         copy_side_files(found.dir, out)
     ids = config_ids(found)
     if ids:
-        generation = {**ids, **_json(out / "generation_config.json")}
+        generation = {**ids, **storage.json_object(out / "generation_config.json")}
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if found.dir is None:
         if found.byte_ids:
@@ -128,7 +118,7 @@ def write(out: Path, found: TokenizerFiles) -> str | None:
         return ("no tokenizer found in the run dir, checkpoint.init_from or the run's data.path: the export has "
                 "weights only; copy the tokenizer.json the data was prepared with into it")
     specials = {k: v for k, v in (("eos_token", found.eos_token), ("bos_token", found.bos_token)) if v is not None}
-    config = _json(out / "tokenizer_config.json")
+    config = storage.json_object(out / "tokenizer_config.json")
     if not config and (out / "tokenizer.json").is_file():
         config = {"tokenizer_class": "PreTrainedTokenizerFast"}  # transformers loads tokenizer.json as it is
     (out / "tokenizer_config.json").write_text(json.dumps({**specials, **config}, indent=2) + "\n")

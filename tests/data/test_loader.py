@@ -2,6 +2,8 @@
 and a resumed run continues mid-epoch with the same batches (one dataset and a weighted mixture);
 what each source reads and refuses."""
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -59,15 +61,18 @@ def test_text_source_refuses_prepared_data_and_binary_files(prepared, cfg_factor
     code, _, err = run_cli(capsys, "train", "meshes/demo.yaml", f"data.path={prepared}", f"run_dir={tmp_path / 'r'}")
     assert code == 2 and f"train on it with data.source=tokens data.path={prepared}" in err, err
     assert len(err.strip().splitlines()) == 1
-    with pytest.raises(ConfigError, match=f"holds a `shardtrain prepare` output, {prepared}"):
-        loader.sources(cfg_factory(f"data.path={prepared.parent}", "data.seq_len=16"))
-    (tmp_path / "notes.txt").write_text("text " * 400)
-    (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
-    with pytest.raises(ConfigError, match=f"{tmp_path}/logo.png is not text \\(a NUL byte at byte 8"):
-        loader.sources(cfg_factory(f"data.path={tmp_path}", "data.seq_len=16"))
-    (tmp_path / "logo.png").write_bytes("caf\xe9".encode("latin-1"))
+    shutil.copytree(prepared, tmp_path / "holder" / "ds")
+    with pytest.raises(ConfigError, match=f"holds a `shardtrain prepare` output, {tmp_path}/holder/ds "):
+        loader.sources(cfg_factory(f"data.path={tmp_path}/holder", "data.seq_len=16"))
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "notes.txt").write_text("text " * 400)
+    (texts / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    with pytest.raises(ConfigError, match=f"{texts}/logo.png is not text \\(a NUL byte at byte 8"):
+        loader.sources(cfg_factory(f"data.path={texts}", "data.seq_len=16"))
+    (texts / "logo.png").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(ConfigError, match="logo.png is not text \\(not UTF-8 at byte 3\\)"):
-        loader.sources(cfg_factory(f"data.path={tmp_path}", "data.seq_len=16"))
+        loader.sources(cfg_factory(f"data.path={texts}", "data.seq_len=16"))
 
 
 def test_every_source_says_what_it_reads(prepared, cfg_factory, tmp_path):
