@@ -109,7 +109,7 @@ def write(out: Path, found: TokenizerFiles) -> str | None:
         copy_side_files(found.dir, out)
     ids = config_ids(found)
     if ids:
-        generation = {**ids, **storage.json_object(out / "generation_config.json")}
+        generation = _filled(storage.json_object(out / "generation_config.json"), ids)
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if found.dir is None:
         if found.byte_ids:
@@ -121,5 +121,10 @@ def write(out: Path, found: TokenizerFiles) -> str | None:
     config = storage.json_object(out / "tokenizer_config.json")
     if not config and (out / "tokenizer.json").is_file():
         config = {"tokenizer_class": "PreTrainedTokenizerFast"}  # transformers loads tokenizer.json as it is
-    (out / "tokenizer_config.json").write_text(json.dumps({**specials, **config}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(_filled(config, specials), indent=2) + "\n")
     return None
+
+
+def _filled(config: dict, defaults: dict) -> dict:
+    """`config` with `defaults` where it has no value (what a copied file says wins)."""
+    return {**config, **{k: v for k, v in defaults.items() if config.get(k) is None}}
