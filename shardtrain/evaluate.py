@@ -1,6 +1,6 @@
 """Evaluation on the held-out split: a jitted, sharded forward pass (no gradients) over the first
 train.eval_steps batches of the `eval` split, shared by training (train.eval_every) and
-`shardtrain eval CONFIG CHECKPOINT`.
+`shardtrain eval [CONFIG] CHECKPOINT`.
 
 eval_loss is the token-weighted mean cross-entropy over every counted position of those batches
 (packed data: the positions the training loss counts), eval_perplexity its exp.
@@ -44,7 +44,7 @@ class Evaluator:
 
 
 def main(cfg: RunConfig, checkpoint_path: str) -> int:
-    """`shardtrain eval CONFIG CHECKPOINT`: prints one JSON line {step, eval_loss, eval_perplexity}."""
+    """`shardtrain eval [CONFIG] CHECKPOINT`: prints one JSON line {step, eval_loss, eval_perplexity}."""
     from shardtrain import mesh as mesh_lib, step as step_lib
     from shardtrain.checkpoint import listing, manager
     directory, step = listing.locate(checkpoint_path)

@@ -167,9 +167,10 @@ class ChatTemplate:
     def error(self, e, where: str) -> ConfigError:
         import jinja2
         if isinstance(e, jinja2.UndefinedError):
+            known = ", ".join(["messages", "add_generation_prompt", *sorted(self.variables)])
             return ConfigError(f"{where}: the chat template ({self.where}) prints a variable that is undefined here "
                                f"({e}); define it in {self.tokenizer_dir / 'tokenizer_config.json'} or take it out "
-                               f"of the template (known: {', '.join(sorted(self.variables))})")
+                               f"of the template (known: {known})")
         return ConfigError(f"{where}: the chat template failed: {e}")
 
     def render(self, messages: list, where: str) -> tuple[str, list[tuple[int, int]]]:
