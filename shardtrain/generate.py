@@ -7,7 +7,9 @@ real token and its padding slots are masked out of attention (models/gpt.py `Gpt
 prompt is run once (prefill, writing the cache), then one jitted step per new token: the sampled
 token goes back in and its keys and values are written at the next cache slot. Parameters and
 cache are sharded by the rules like in training (heads over `tensor`). Good enough to see what a
-run learned; not a serving system (no continuous batching, no paged cache).
+run learned; not a serving system (no continuous batching, no paged cache). The tokenizer and EOS
+are the source's, found along its chain (hf/tokenizer.py: the run, checkpoint.init_from, the run's
+prepared data); a run on bytes (data.source=text) reads and writes UTF-8 bytes.
 """
 
 from __future__ import annotations

@@ -278,7 +278,8 @@ def parse_bytes(text: str) -> int:
 def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shard_size: str = "5GB",
               say=print) -> None:
     """`shardtrain export-hf`: a run directory, checkpoint step or import-hf directory -> an HF
-    model directory loadable by transformers (config.json, safetensors shards + index, tokenizer)."""
+    model directory loadable by transformers (config.json, safetensors weights, the tokenizer of the
+    source's chain with its EOS / BOS: hf/tokenizer.py); says in one line when it writes no tokenizer."""
     t0 = time.perf_counter()
     source = find(source_path, what="export-hf")
     base = source.base_hf_config()
