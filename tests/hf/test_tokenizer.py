@@ -52,6 +52,7 @@ def test_export_of_a_scratch_run_carries_tokenizer_and_eos_through_transformers_
     weights.export_hf(str(scratch_run), str(tmp_path / "hf"), say=said.append)
     eos = json.loads((prepared / "manifest.json").read_text())["eos_id"]
     assert "tokenizer from" in said[0] and len(said) == 1, said
+    assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()  # one file: no index (README)
     for name in ("config.json", "generation_config.json"):
         assert json.loads((tmp_path / "hf" / name).read_text())["eos_token_id"] == eos
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
