@@ -109,12 +109,31 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def eval_paths(words: list[str]) -> tuple[str, str, list[str]]:
+    """(config, checkpoint, overrides) of `shardtrain eval [CONFIG] CHECKPOINT [KEY=VALUE ...]`; without
+    CONFIG, the config.yaml of the checkpoint's run (the run dir, or one or two levels above it)."""
+    overrides = [w for w in words if "=" in w and not Path(w).exists()]
+    paths = [w for w in words if w not in overrides]
+    if len(paths) == 2:
+        return paths[0], paths[1], overrides
+    if len(paths) != 1:
+        raise config_lib.ConfigError(f"eval: give [CONFIG] CHECKPOINT [KEY=VALUE ...], got {len(paths)} paths: "
+                                     f"{' '.join(paths)}")
+    p = Path(paths[0])
+    found = next((d / "config.yaml" for d in (p, p.parent, p.parent.parent) if (d / "config.yaml").is_file()), None)
+    if found is None:
+        raise config_lib.ConfigError(f"eval: no config.yaml in the run of '{p}'; give the run's config too: "
+                                     f"shardtrain eval CONFIG {p}")
+    return str(found), paths[0], overrides
+
+
 def cmd_eval(args) -> int:
-    cfg = config_lib.load(args.config, args.overrides)
+    config, checkpoint, overrides = eval_paths([*args.paths, *args.overrides])
+    cfg = config_lib.load(config, overrides)
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import evaluate
     with leaving_on_error(distributed.initialize()):
-        return evaluate.main(cfg, args.checkpoint)
+        return evaluate.main(cfg, checkpoint)
 
 
 def cmd_ckpt(args) -> int:
@@ -225,10 +244,10 @@ def parser() -> argparse.ArgumentParser:
                     "tokenizer's chat template; the loss counts only the assistant's tokens")
     pr.set_defaults(func=cmd_prepare)
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out split")
-    ev.add_argument("config", help="the run's YAML config")
-    ev.add_argument("checkpoint", help="a run dir, its checkpoints/ dir (newest step) or one step's dir")
-    ev.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. train.eval_steps=20")
-    ev.set_defaults(func=cmd_eval)
+    ev.add_argument("paths", nargs="+", metavar="[CONFIG] CHECKPOINT [KEY=VALUE ...]",
+                    help="the run's YAML config (default: the run's config.yaml); a run dir, its checkpoints/ dir "
+                    "(newest step) or one step's dir; dotted overrides, e.g. train.eval_steps=20")
+    ev.set_defaults(func=cmd_eval, overrides=[])
     c = sub.add_parser("ckpt", help="list a run's checkpoints")
     c.add_argument("run_dir")
     c.set_defaults(func=cmd_ckpt)

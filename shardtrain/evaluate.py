@@ -1,6 +1,6 @@
 """Evaluation on the held-out split: a jitted, sharded forward pass (no gradients) over the first
 train.eval_steps batches of the `eval` split, shared by training (train.eval_every) and
-`shardtrain eval CONFIG CHECKPOINT`.
+`shardtrain eval [CONFIG] CHECKPOINT`.
 
 eval_loss is the token-weighted mean cross-entropy over every counted position of those batches
 (packed data: the positions the training loss counts), eval_perplexity its exp.
@@ -16,16 +16,20 @@ import jax
 
 from shardtrain import config as config_lib
 from shardtrain.config import ConfigError, RunConfig
-from shardtrain.data import loader
+from shardtrain.data import loader, token_shards
 from shardtrain.step import Program
 
 
 class Evaluator:
     """The held-out loss of a program's parameters, through its `eval_step`."""
 
-    def __init__(self, prog: Program):
+    def __init__(self, prog: Program, in_training: bool = True):
         self.prog = prog
-        self.dataset = loader.eval_samples(prog.cfg)  # a missing eval split fails before anything is compiled
+        try:  # a missing eval split fails before anything is compiled
+            self.dataset = loader.eval_samples(prog.cfg)
+        except token_shards.EmptySplit as e:
+            raise ConfigError(f"{e}, or train without evaluation: train.eval_every=0" if in_training else str(e)) \
+                from None
 
     def __call__(self, params) -> dict[str, float]:
         cfg = self.prog.cfg
@@ -40,7 +44,7 @@ class Evaluator:
 
 
 def main(cfg: RunConfig, checkpoint_path: str) -> int:
-    """`shardtrain eval CONFIG CHECKPOINT`: prints one JSON line {step, eval_loss, eval_perplexity}."""
+    """`shardtrain eval [CONFIG] CHECKPOINT`: prints one JSON line {step, eval_loss, eval_perplexity}."""
     from shardtrain import mesh as mesh_lib, step as step_lib
     from shardtrain.checkpoint import listing, manager
     directory, step = listing.locate(checkpoint_path)
@@ -48,7 +52,7 @@ def main(cfg: RunConfig, checkpoint_path: str) -> int:
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, directory=directory))
     loader.eval_samples(cfg)  # data errors before compiling
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-    evaluator = Evaluator(prog)
+    evaluator = Evaluator(prog, in_training=False)
     ckpt = manager.Checkpointer(prog.cfg, prog.abstract_state, prog.mesh.shape)
     try:
         if step is None:

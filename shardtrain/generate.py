@@ -7,14 +7,15 @@ real token and its padding slots are masked out of attention (models/gpt.py `Gpt
 prompt is run once (prefill, writing the cache), then one jitted step per new token: the sampled
 token goes back in and its keys and values are written at the next cache slot. Parameters and
 cache are sharded by the rules like in training (heads over `tensor`). Good enough to see what a
-run learned; not a serving system (no continuous batching, no paged cache).
+run learned; not a serving system (no continuous batching, no paged cache). The tokenizer and EOS
+are the source's, found along its chain (hf/tokenizer.py: the run, checkpoint.init_from, the run's
+prepared data); a run on bytes (data.source=text) reads and writes UTF-8 bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,26 +33,10 @@ from shardtrain.hf import weights
 
 def load_tokenizer(files_dir: Path | None) -> tokenize.HfTokenizer | None:
     """The tokenizer of a model directory's tokenizer.json (None if there is none), loaded as
-    `shardtrain prepare` loads it; EOS comes from the model's config (`eos_ids`)."""
+    `shardtrain prepare` loads it; EOS comes from the model's configs (hf/tokenizer.py)."""
     if files_dir is None or not (files_dir / "tokenizer.json").is_file():
         return None
     return tokenize.HfTokenizer(files_dir / "tokenizer.json", require_eos=False)
-
-
-def eos_ids(source: weights.Source, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json / config.json, else the tokenizer's eos token."""
-    d = source.files_dir
-    for name in ("generation_config.json", weights.HF_CONFIG, "config.json"):
-        if d is not None and (d / name).is_file():
-            eos = json.loads((d / name).read_text()).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
-    if d is not None and (d / "tokenizer_config.json").is_file() and tokenizer is not None:
-        token = json.loads((d / "tokenizer_config.json").read_text()).get("eos_token")
-        token = token.get("content") if isinstance(token, dict) else token
-        if token and tokenizer.token_to_id(token) is not None:
-            return [tokenizer.token_to_id(token)]
-    return []
 
 
 def tensor_ways(m: config_lib.ModelConfig, n_devices: int) -> int:
@@ -85,6 +70,8 @@ class Generator:
     eos: tuple[int, ...] = ()
     files_dir: Path | None = None
     """The directory of the tokenizer files (chat template included)."""
+    searched: tuple[Path, ...] = ()
+    """Where the tokenizer was looked for."""
 
     @classmethod
     def from_source(cls, path: str | Path, overrides: Sequence[str] = ()) -> Generator:
@@ -101,21 +88,25 @@ class Generator:
         sizes = cfg.mesh.sizes().values()  # a mesh of fewer devices than present uses the first ones
         mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:math.prod(sizes)] if min(sizes) > 0 else None)
         layout = sharding.param_layout(cfg, mesh)  # no train step: only the parameters' layout
-        tokenizer = load_tokenizer(source.files_dir)
-        return cls(cfg, nnx.merge(layout.graphdef, source.params(layout.params)), mesh, tokenizer,
-                   tuple(eos_ids(source, tokenizer)), source.files_dir)
+        found = source.tokenizer()
+        return cls(cfg, nnx.merge(layout.graphdef, source.params(layout.params)), mesh, found.load(),
+                   found.eos_ids, found.dir, tuple(source.dirs))
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise config_lib.ConfigError("generate: no tokenizer.json beside these weights; pass token ids instead")
+            raise config_lib.ConfigError(f"generate: no tokenizer.json in {', '.join(map(str, self.searched))} (the "
+                                         "weights, checkpoint.init_from, the run's data.path); copy the tokenizer.json "
+                                         "the data was prepared with into the first")
         return self.tokenizer.encode(text, add_special_tokens=True)  # BOS where the tokenizer adds one
 
     def encode_chat(self, text: str) -> list[int]:
         """`text` as a user turn through the model's chat template, the assistant's turn opened (the
         template writes BOS and the turn markers: no special tokens are added)."""
-        if self.tokenizer is None or self.files_dir is None:
-            raise config_lib.ConfigError("generate --chat: no tokenizer.json beside these weights")
-        return self.tokenizer.encode(chat.ChatTemplate(self.files_dir).prompt([{"role": "user", "content": text}]))
+        if self.files_dir is None:
+            raise config_lib.ConfigError(f"generate --chat: no tokenizer.json (with a chat template) in "
+                                         f"{', '.join(map(str, self.searched))}")
+        template = chat.ChatTemplate(self.files_dir, self.tokenizer)
+        return self.tokenizer.encode(template.prompt([{"role": "user", "content": text}]))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""

@@ -16,7 +16,7 @@ from shardtrain import (
     step as step_lib,
 )
 from shardtrain.checkpoint import listing, manager
-from shardtrain.data import loader, token_shards
+from shardtrain.data import loader
 from shardtrain.hf import weights
 from shardtrain.metrics import Metrics
 
@@ -120,8 +120,7 @@ def _announce(prog: step_lib.Program, sources) -> None:
     print(f"shardtrain: {cfg.model.name} {prog.param_count() / 1e6:.2f}M params on {jax.device_count()} "
           f"{jax.devices()[0].platform} devices, mesh {dict(prog.mesh.shape)}; compiling...", flush=True)
     print(mode_line(prog), flush=True)
-    if loader.packed(cfg):
-        print(token_shards.describe(sources), flush=True)
+    print(loader.describe(cfg, sources), flush=True)
 
 
 def _start(prog: step_lib.Program, ckpt: manager.Checkpointer, init_from) -> tuple[dict, int]:

@@ -67,6 +67,7 @@ def test_demo_config_trains_on_text(tmp_path):
     assert {"step", "loss", "step_time_s", "tokens_per_s", "grad_norm", "lr"} <= set(steps[0])
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.5
     assert "done: step 24" in result.stdout
+    assert "data: text bytes (ids 0..255) of " in result.stdout  # every source says what it reads
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "name: demo" in (run_dir / "config.yaml").read_text()
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"

@@ -97,11 +97,20 @@ def locate(path: str, what: str = "checkpoint") -> tuple[str, int | None]:
         return str(path).rstrip("/"), None
     p = epath.Path(path)
     if not p.exists():
-        raise config_lib.ConfigError(f"{what} '{path}' does not exist; give a run dir, its checkpoints/ dir "
-                                     "or a step dir in it")
+        raise config_lib.ConfigError(f"{what} '{path}' does not exist{steps_near(p)}; give a run dir, its "
+                                     "checkpoints/ dir or a step dir in it")
     if p.name.isdigit() and ((p / "meta").exists() or (p / "state").exists()):
         return str(p.parent), int(p.name)
     return checkpoint_dir_of(str(p)), None
+
+
+def steps_near(missing) -> str:
+    """For a step directory that does not exist: '; committed steps there: 50, 100' (else '')."""
+    parent = epath.Path(missing).parent
+    if not epath.Path(missing).name.isdigit() or not parent.is_dir():
+        return ""
+    steps = [str(s.step) for s in scan(str(parent)) if s.state == "committed"]
+    return f"; committed steps there: {', '.join(steps)}" if steps else f"; {parent} holds no committed step"
 
 
 def describe_mesh(meta: dict | None) -> str:

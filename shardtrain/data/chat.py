@@ -8,8 +8,11 @@ directory's, as transformers finds it: chat_template.jinja, else tokenizer_confi
 
 Rendering is jinja2 in a sandbox set up as transformers' `apply_chat_template` sets it up
 (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, loopcontrols, `tojson`,
-`raise_exception`, `strftime_now`, the tokenizer's special tokens as variables), so a template
-renders the same text here as there, without torch or transformers. The assistant's characters:
+`raise_exception`, `strftime_now`, `tools` / `documents` None, the tokenizer's special tokens as
+variables), so a template renders the same text here as there, without torch or transformers. Two
+differences: `eos_token` / `bos_token` are known even without a tokenizer_config.json (from the
+model's configs, a prepare manifest, or the tokenizer's EOS: `special_tokens`), and printing an
+undefined variable is an error naming it, where transformers prints nothing. The assistant's characters:
 - the template's `{% generation %}...{% endgeneration %}` blocks where it has them (what
   transformers' return_assistant_tokens_mask reads);
 - else for the i-th message, an assistant's, the characters between rendering messages[:i] with
@@ -31,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from shardtrain.config import ConfigError
+from shardtrain.data import storage, tokenize
 
 ROLES = ("system", "user", "assistant", "tool")
 FIELD = "messages"
@@ -54,16 +58,30 @@ def find_template(tokenizer_dir: Path) -> tuple[str, str]:
                       "tokenizer_config.json); use a chat model's tokenizer files, or add a template there")
 
 
-def special_tokens(tokenizer_dir: Path) -> dict[str, str]:
-    """bos_token, eos_token, ... of tokenizer_config.json (the variables templates read)."""
-    path = tokenizer_dir / "tokenizer_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
+def special_tokens(tokenizer_dir: Path, tokenizer=None) -> dict[str, str]:
+    """bos_token, eos_token, ... (the variables templates read): tokenizer_config.json's, then the
+    BOS / EOS ids that generation_config.json, hf_config.json, config.json or manifest.json name (as
+    tokens of `tokenizer`), then the tokenizer's own EOS (what `prepare` ends documents with)."""
     out = {}
-    for key, value in config.items():
+    for key, value in storage.json_object(tokenizer_dir / "tokenizer_config.json").items():
         value = value.get("content") if isinstance(value, dict) else value
         if key.endswith("_token") and isinstance(value, str):
             out[key] = value
+    if tokenizer is None:
+        return out
+    configs = [storage.json_object(tokenizer_dir / name) for name in tokenize.ID_FILES]
+    named = {"bos_token": [c.get("bos_token_id") for c in configs],
+             "eos_token": [c.get(k) for c in configs for k in ("eos_token_id", "eos_id")] + [tokenizer.eos_id]}
+    for key, ids in named.items():
+        token = next((t for t in (_token(tokenizer, i) for i in ids) if t is not None), None)
+        if token is not None:
+            out.setdefault(key, token)
     return out
+
+
+def _token(tokenizer, token_id) -> str | None:
+    token_id = token_id[0] if isinstance(token_id, list) and token_id else token_id
+    return tokenizer.id_to_token(token_id) if isinstance(token_id, int) else None
 
 
 def _environment():
@@ -99,7 +117,13 @@ def _environment():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+    class Unprintable(jinja2.Undefined):
+        """An undefined variable is false and empty in tests and loops, as in transformers, but an
+        error when printed (transformers prints nothing: a `{{ eos_token }}` it lacks vanishes)."""
+
+        __str__ = jinja2.Undefined._fail_with_undefined_error
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=Unprintable,
                                         extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
@@ -109,15 +133,16 @@ def _environment():
 class ChatTemplate:
     """A tokenizer directory's chat template, rendering conversations with their assistant spans."""
 
-    def __init__(self, tokenizer_dir: Path):
+    def __init__(self, tokenizer_dir: Path, tokenizer=None):
         import jinja2
-        self.source, where = find_template(tokenizer_dir)
-        self.variables = special_tokens(tokenizer_dir)
+        self.source, self.where = find_template(tokenizer_dir)
+        self.tokenizer_dir = tokenizer_dir
+        self.variables = {"tools": None, "documents": None, **special_tokens(tokenizer_dir, tokenizer)}
         self.env = _environment()
         try:
             self.template = self.env.from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
-            raise ConfigError(f"{where}: the chat template does not parse ({e.message}, template line "
+            raise ConfigError(f"{self.where}: the chat template does not parse ({e.message}, template line "
                               f"{e.lineno})") from None
         self.tracked = bool(GENERATION_TAG.search(self.source))
 
@@ -137,7 +162,16 @@ class ChatTemplate:
         try:
             return self._render(messages, True)
         except jinja2.TemplateError as e:
-            raise ConfigError(f"{where}: the chat template failed: {e}") from None
+            raise self.error(e, where) from None
+
+    def error(self, e, where: str) -> ConfigError:
+        import jinja2
+        if isinstance(e, jinja2.UndefinedError):
+            known = ", ".join(["messages", "add_generation_prompt", *sorted(self.variables)])
+            return ConfigError(f"{where}: the chat template ({self.where}) prints a variable that is undefined here "
+                               f"({e}); define it in {self.tokenizer_dir / 'tokenizer_config.json'} or take it out "
+                               f"of the template (known: {known})")
+        return ConfigError(f"{where}: the chat template failed: {e}")
 
     def render(self, messages: list, where: str) -> tuple[str, list[tuple[int, int]]]:
         """(text, character spans of the assistant's turns) of one conversation."""
@@ -160,7 +194,7 @@ class ChatTemplate:
                 spans.append((len(before), len(through)))
             return text, spans
         except jinja2.TemplateError as e:
-            raise ConfigError(f"{where}: the chat template failed: {e}") from None
+            raise self.error(e, where) from None
 
 
 def check_messages(row, where: str) -> list[dict]:

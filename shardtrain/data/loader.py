@@ -5,7 +5,8 @@ batch of step `s` is samples [s*B, (s+1)*B). Each process reads just the rows of
 batch its devices hold, so resuming on any number of processes continues at the same sample.
 
 Sources (data.source):
-  text       byte tokens of text files; the last 1/20 of the windows are the `eval` split.
+  text       byte tokens of text files; the last 1/20 of the windows are the `eval` split. A file
+             that is not text, or a `prepare` output, is refused (it would train on its bytes).
   synthetic  seeded arithmetic sequences; `eval` draws them from another seed.
   tokens     token files written by `shardtrain prepare` (token_shards.py), read by range: documents
              (each ending in EOS) concatenated and cut into windows of seq_len + 1 tokens. A
@@ -14,6 +15,7 @@ Sources (data.source):
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from pathlib import Path
@@ -24,30 +26,57 @@ import numpy as np
 from shardtrain.config import ConfigError, DataConfig, RunConfig
 from shardtrain.data import storage, token_shards
 
+DATA_PATH_TO_FILL_IN = "PREPARED_DATA_DIR"
+"""data.path of the config import-hf writes: a placeholder the user replaces with a prepared directory."""
 EVAL_TEXT_WINDOWS = 20
 """The bytes `text` source holds out its last 1/EVAL_TEXT_WINDOWS windows as the eval split."""
 
 
-def load_corpus(cfg: DataConfig) -> np.ndarray:
-    """The bytes of data.path's files joined by newlines (without a path: the standard library's
-    *.py files, the demo's corpus)."""
+def load_corpus(cfg: DataConfig) -> tuple[np.ndarray, int]:
+    """(the bytes of data.path's files joined by newlines, the number of files); without a path the
+    standard library's *.py files, the demo's corpus. A `prepare` output or a file that is not text
+    is refused (ConfigError naming it)."""
     stdlib = os.path.join(sysconfig.get_paths()["stdlib"], "*.py")
     files = storage.find_files(stdlib if cfg.path is None else cfg.path)
     if not files:
         raise ConfigError(f"data.path: no files found at '{cfg.path}'; give a directory or a glob of text files")
-    corpus = np.frombuffer(b"\n".join(Path(f).read_bytes() for f in files), dtype=np.uint8)
+    refuse_prepared(cfg.path, files)
+    texts = [Path(f).read_bytes() for f in files]
+    for f, data in zip(files, texts):
+        problem = storage.text_problem(data)
+        if problem:
+            raise ConfigError(f"data.path={cfg.path}: {f} is not text ({problem}); data.source=text reads text "
+                              "files only: give a glob of them (e.g. 'DIR/**/*.txt')")
+    corpus = np.frombuffer(b"\n".join(texts), dtype=np.uint8)
     if len(corpus) < 2 * EVAL_TEXT_WINDOWS * (cfg.seq_len + 1):
         raise ConfigError(f"data.path: only {len(corpus)} bytes of text, need at least "
                           f"{2 * EVAL_TEXT_WINDOWS * (cfg.seq_len + 1)}")
-    return corpus
+    return corpus, len(files)
+
+
+def refuse_prepared(path: str | None, files: list[str]) -> None:
+    """ConfigError when the text source's files hold a `shardtrain prepare` output (its manifest.json)."""
+    for f in files:
+        if Path(f).name != "manifest.json":
+            continue
+        try:
+            prepared = str(json.loads(Path(f).read_text()).get("format", "")).startswith("shardtrain-tokens")
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            prepared = False
+        if prepared:
+            where = Path(f).parent
+            what = "is a `shardtrain prepare` output" if Path(path or "") == where else \
+                f"holds a `shardtrain prepare` output, {where}"
+            raise ConfigError(f"data.path={path} {what} (token files, not text); train on it with "
+                              f"data.source=tokens data.path={where}")
 
 
 class TextWindows:
     """Non-overlapping windows of seq_len + 1 byte tokens (inputs and shifted targets): split
     `train` is all but the last 1/EVAL_TEXT_WINDOWS of them, `eval` those."""
 
-    def __init__(self, corpus: np.ndarray, window: int, split: str = "train"):
-        self.corpus, self.window = corpus, window
+    def __init__(self, corpus: np.ndarray, window: int, split: str = "train", files: int = 0):
+        self.corpus, self.window, self.files = corpus, window, files
         total = len(corpus) // window
         held = max(1, total // EVAL_TEXT_WINDOWS)
         self.first, self.count = (0, total - held) if split == "train" else (total - held, held)
@@ -83,7 +112,8 @@ def source(cfg: RunConfig, split: str = "train"):
     """The random-access source of `split` windows (train or eval)."""
     window = cfg.data.seq_len + 1
     if cfg.data.source == "text":
-        return TextWindows(load_corpus(cfg.data), window, split)
+        corpus, files = load_corpus(cfg.data)
+        return TextWindows(corpus, window, split, files)
     if cfg.data.source == "synthetic":
         return SyntheticSequences(cfg.train.seed + (split == "eval"), window, cfg.model.vocab_size)
     return token_shards.windows(cfg, split)
@@ -91,6 +121,12 @@ def source(cfg: RunConfig, split: str = "train"):
 
 def sources(cfg: RunConfig, split: str = "train") -> list:
     """The source of `split`, or a mixture's, one per entry (each dataset opened once)."""
+    if cfg.data.source == "tokens" and Path(cfg.data.path or "").name == DATA_PATH_TO_FILL_IN \
+            and not Path(cfg.data.path).exists():
+        tokenizer = cfg.checkpoint.init_from or "TOKENIZER"
+        raise ConfigError(f"data.path: {DATA_PATH_TO_FILL_IN} is a placeholder to fill in: tokenize your data with "
+                          f"`shardtrain prepare INPUT... --tokenizer {tokenizer} --out DIR` (add --chat for "
+                          "conversations), then set data.path: DIR in the config or pass data.path=DIR")
     if cfg.data.mixture:
         return [token_shards.windows(cfg, split, entry.path) for entry in cfg.data.mixture]
     return [source(cfg, split)]
@@ -110,6 +146,20 @@ def eval_samples(cfg: RunConfig) -> grain.MapDataset:
     mixture's eval splits interleaved by the same weights."""
     parts = [grain.MapDataset.source(s).repeat() for s in sources(cfg, "eval")]
     return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture]) if cfg.data.mixture else parts[0]
+
+
+def describe(cfg: RunConfig, opened: list) -> str:
+    """The console line saying what a run trains on (every source has one)."""
+    if packed(cfg):
+        return token_shards.describe(opened)
+    if cfg.data.source == "synthetic":
+        return (f"data: synthetic arithmetic sequences modulo model.vocab_size={cfg.model.vocab_size} "
+                f"(seed {cfg.train.seed}), no files")
+    text = opened[0]
+    where = f"in {cfg.data.path}" if cfg.data.path else "(the Python standard library's *.py)"
+    return (f"data: text bytes (ids 0..255) of {text.files} file{'s' * (text.files != 1)} {where}: "
+            f"{len(text.corpus)} bytes, "
+            f"{len(text)} train windows, the last 1/{EVAL_TEXT_WINDOWS} held out for eval")
 
 
 def stack(items: list):

@@ -3,7 +3,9 @@
 Layout of the output directory DIR:
   manifest.json              tokenizer, vocab_size, eos_id, dtype, per split its shards with token and
                              document counts and sha256 checksums
-  tokenizer.json             a copy of the tokenizer (absent for the byte-level `bytes` tokenizer)
+  tokenizer.json             a copy of the tokenizer (absent for the byte-level `bytes` tokenizer), with
+                             its tokenizer_config.json when it has one, and with --chat the
+                             chat_template.jinja the conversations were rendered with
   train/NNNNN.bin            the split's tokens of input file NNNNN: a flat array (uint16 when the
                              vocabulary fits, else uint32), each document followed by EOS
   train/NNNNN.idx.npy        int64 document boundaries into that array (documents + 1 entries)
@@ -33,6 +35,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -186,7 +189,12 @@ def documents(part: Part, field: str):
                 row_no += 1
                 yield text
     else:
-        yield Path(path).read_text(encoding="utf-8", errors="replace")
+        data = Path(path).read_bytes()
+        problem = storage.text_problem(data)
+        if problem:
+            raise ConfigError(f"{path}: not a text file ({problem}); leave it out of the inputs (a glob of the "
+                              "text files, e.g. 'DIR/**/*.txt') or convert it to UTF-8")
+        yield data.decode("utf-8")
 
 
 def is_eval(name: str, index: int, fraction: float) -> bool:
@@ -249,7 +257,7 @@ def prepare_part(task: tuple[Part, Options, dict]) -> dict:
     writers = {s: _SplitWriter(out / s / f"{part.name}.bin", dtype, mask=opts.chat) for s in SPLITS}
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
     pending: list = []
-    template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent) if opts.chat else None
+    template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent, tok) if opts.chat else None
 
     def flush(first_index: int):
         if template is None:
@@ -327,11 +335,12 @@ def tokenizer_fingerprint(opts: Options, files: list[str]) -> str:
     if not isinstance(tok, tokenize.HfTokenizer):  # chat.encode reads the tokenizer's character offsets
         raise ConfigError(f"--chat needs a Hugging Face tokenizer directory with a chat template, not "
                           f"`{opts.tokenizer}`")
-    template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent)
+    template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent, tok)
     for f in files:
         if kind(f) != "jsonl":
             raise ConfigError(f"{f}: --chat reads JSONL files (a {{'messages': [...]}} per line), not this")
-    return sha + hashlib.sha256(template.source.encode()).hexdigest()
+    variables = json.dumps(template.variables, sort_keys=True)
+    return sha + hashlib.sha256((template.source + variables).encode()).hexdigest()
 
 
 def write_manifest(inputs: list[str], opts: Options, parts: list[Part], markers: dict) -> dict:
@@ -340,6 +349,11 @@ def write_manifest(inputs: list[str], opts: Options, parts: list[Part], markers:
     out, tok = Path(opts.out), tokenize.load(opts.tokenizer, opts.eos)
     if tok.name != "bytes":
         tok.save(out / "tokenizer.json")
+        tok_dir = tokenize.tokenizer_file(opts.tokenizer).parent
+        if (tok_dir / "tokenizer_config.json").is_file():  # its special tokens (and chat template) go along
+            shutil.copyfile(tok_dir / "tokenizer_config.json", out / "tokenizer_config.json")
+        if opts.chat:  # a run on this data knows how its conversations were written
+            (out / "chat_template.jinja").write_text(chat.ChatTemplate(tok_dir, tok).source)
     manifest = {"format": FORMAT, "tokenizer": "bytes" if tok.name == "bytes" else "tokenizer.json",
                 "loss_mask": opts.chat, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                 "dtype": token_dtype(tok.vocab_size).name,
@@ -398,7 +412,9 @@ def prepare(inputs: list[str], opts: Options, workers: int | None = None, say=pr
     manifest = write_manifest(inputs, opts, parts, markers)
     train, held = manifest["splits"]["train"], manifest["splits"]["eval"]
     new_tokens = sum(markers[p.file, p.part][s]["tokens"] for p in todo for s in SPLITS)
+    speed = (f"{new_tokens / max(seconds, 1e-9):.0f} tokens/s on {workers} process(es)" if todo
+             else "nothing to tokenize: every part was done already")
     say(f"prepared {train['documents'] + held['documents']} documents from {len(files)} files into {out}: "
         f"{train['tokens']} train / {held['tokens']} eval tokens, vocab {manifest['vocab_size']}, "
-        f"{new_tokens / max(seconds, 1e-9):.0f} tokens/s on {workers} process(es)")
+        f"EOS id {manifest['eos_id']}; {speed}")
     return manifest

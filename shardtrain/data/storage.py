@@ -14,7 +14,7 @@ of an index is read with the 32 KiB block around it, and the most recent blocks 
 MB in all): the first probes of every search hit the same cached blocks.
 
 `find_files(spec)` is how the text source and `prepare` both turn a file, directory or glob
-into the files it names.
+into the files it names; `text_problem` is how both refuse a file that is not text.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import glob
 import io
+import json
 import os
 import threading
 from pathlib import Path
@@ -45,6 +46,27 @@ def find_files(spec: str) -> list[str]:
     if path.is_file():
         return [spec]
     return sorted(f for f in glob.glob(spec, recursive=True) if Path(f).is_file())
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in a local file; {} when it is missing, not JSON or not an object."""
+    try:
+        found = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def text_problem(data: bytes) -> str | None:
+    """Why `data` is not text (a NUL byte, or bytes that are not UTF-8, and where), or None."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        return f"a NUL byte at byte {nul}: a binary file"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 at byte {e.start}"
+    return None
 
 
 class LocalStore:

@@ -26,6 +26,7 @@ import bisect
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -33,7 +34,15 @@ from shardtrain.config import ConfigError, RunConfig
 from shardtrain.data import storage
 
 
+class EmptySplit(ConfigError):
+    """A split asked for holds no documents."""
+
+
 def read_manifest(directory: str) -> dict:
+    if not storage.is_url(directory) and Path(directory).is_file():
+        raise ConfigError(f"data.path={directory} is a file; data.source=tokens reads a `shardtrain prepare` output "
+                          f"directory: tokenize it with `shardtrain prepare {directory} --tokenizer TOK --out DIR`, "
+                          "then pass data.path=DIR")
     store = storage.open_store(directory)
     try:
         text = store.read_all("manifest.json")
@@ -104,9 +113,8 @@ class TokenSplit:
         manifest = manifest or read_manifest(directory)
         self.directory, self.manifest = directory, manifest
         if not manifest["splits"].get(split, {}).get("shards"):
-            hint = ("prepare it with --eval-fraction F (e.g. 0.01) or set train.eval_every=0" if split == "eval"
-                    else "prepare it again")
-            raise ConfigError(f"data.path={directory}: the '{split}' split is empty; {hint}")
+            hint = "prepare it with --eval-fraction F (e.g. 0.01)" if split == "eval" else "prepare it again"
+            raise EmptySplit(f"data.path={directory}: the '{split}' split is empty; {hint}")
         dtype = np.dtype(manifest["dtype"])
         store, entries = storage.open_store(directory), manifest["splits"][split]["shards"]
         # each shard's checks are a few requests from a URL: many shards open concurrently

@@ -30,6 +30,9 @@ import numpy as np
 from shardtrain.config import ConfigError
 
 EOS_NAMES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>")
+ID_FILES = ("generation_config.json", "hf_config.json", "config.json", "manifest.json")
+"""Where a model or prepared directory names its special token ids (eos_token_id / bos_token_id; a
+prepare manifest: eos_id), most specific first (hf_config.json: import-hf's copy of config.json)."""
 TIKTOKEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                     r"\s*[\r\n]+|\s+(?!\S)|\s+")
 """How a tiktoken vocabulary splits text before BPE (cl100k_base's pattern, also Llama 3's)."""
@@ -44,6 +47,12 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for t in texts]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def token_to_id(self, token: str) -> None:
+        return None
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -126,6 +135,9 @@ class HfTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tok.id_to_token(token_id)
 
     def _eos_id(self, eos: str | None, required: bool = True) -> int | None:
         names = (eos,) if eos else EOS_NAMES

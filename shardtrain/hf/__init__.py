@@ -10,7 +10,9 @@ Modules, lower first (none imports the training loop):
   config.py          HF config.json <-> our ModelConfig
   layout.py          our parameter tree <-> HF tensor names and layouts (`Entry`, `tensor_map`)
   safetensors_io.py  safetensors read (memory-mapped) and write (one tensor at a time), numpy only
-  io.py              an HF directory read (`HfDir`) and written (`export`), tokenizer side files
+  io.py              an HF directory read (`HfDir`) and written (`export`)
+  tokenizer.py       the tokenizer and EOS / BOS of a set of weights, found along its chain of
+                     directories (run, init_from, prepared data), and written for transformers
   weights.py         weight sources (HF dir, import-hf dir, run, checkpoint step), LoRA merge,
                      the `import-hf` / `export-hf` commands
 """

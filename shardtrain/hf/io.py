@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 
 import jax
@@ -22,8 +21,6 @@ from shardtrain.hf.config import hf_config, model_config
 from shardtrain.hf.families import family_of
 from shardtrain.hf.layout import Entry, indexed_names, names_of, tensor_map, tree_get, tree_set
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
 INDEX = "model.safetensors.index.json"
 EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -57,13 +54,6 @@ def safetensors_files(hf_dir: str | Path) -> list[Path]:
         raise ConfigError(f"{d}: no *.safetensors weights (only safetensors checkpoints are read; "
                           "convert .bin files with transformers' save_pretrained(safe_serialization=True))")
     return files
-
-
-def copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer and generation config files, when present."""
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
 
 
 # ----------------------------------------------------------------------------- read
@@ -138,10 +128,11 @@ class HfDir:
 
 
 def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | None = None,
-           dtype: str = "float32", max_shard_bytes: int = 5 * 2 ** 30, side_files: Path | None = None) -> list[Path]:
-    """Writes `params` (our tree, jax or numpy arrays) as an HF model directory: config.json,
-    safetensors shards (with an index when there are several), tokenizer files. One layer's
-    tensor is fetched from the devices at a time. Returns the safetensors files written.
+           dtype: str = "float32", max_shard_bytes: int = 5 * 2 ** 30, special_ids: dict | None = None) -> list[Path]:
+    """Writes `params` (our tree, jax or numpy arrays) as an HF model directory: config.json (with
+    `special_ids`, eos_token_id / bos_token_id, where `base` has none) and safetensors shards (with an
+    index when there are several). One layer's tensor is fetched from the devices at a time.
+    Returns the safetensors files written.
 
     In a run of several processes every process calls this (a tensor spread over them is
     gathered with `process_allgather`, a collective, in the same order everywhere) and process 0
@@ -169,9 +160,9 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
         safetensors_io.write(path if writer else os.devnull, shard, produce, metadata={"format": "pt"})
     if writer:
         write_index(out, files, shards)
-        if side_files is not None:
-            copy_side_files(side_files, out)
-        (out / "config.json").write_text(json.dumps(hf_config(m, base, dtype), indent=2) + "\n")
+        config = hf_config(m, base, dtype)
+        config.update({k: v for k, v in (special_ids or {}).items() if config.get(k) is None})
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return files
 
 

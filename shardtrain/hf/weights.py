@@ -24,8 +24,13 @@ import yaml
 from models import LORA_A, LORA_B, is_adapter
 from shardtrain import config as config_lib, sharding
 from shardtrain.checkpoint import diagnose, listing, manager
-from shardtrain.hf import io as hf_io
+from shardtrain.data import loader
+from shardtrain.hf import io as hf_io, tokenizer as hf_tokenizer
 
+FINE_TUNE_HINT = (f"tokenize your data with this model's tokenizer, `shardtrain prepare INPUT... --tokenizer {{out}} "
+                  f"--out DIR` (--chat for conversations),\nthen `shardtrain train {{out}}/config.yaml data.path=DIR` "
+                  f"(data.path: {loader.DATA_PATH_TO_FILL_IN} stands for it)")
+"""What import-hf prints and writes atop its config.yaml: the data is the user's to prepare."""
 HF_CONFIG = "hf_config.json"
 """The imported model's original config.json, kept beside the checkpoint for export."""
 
@@ -40,15 +45,19 @@ class Source:
     """The Orbax step directory; None for an HF directory."""
     hf_dir: hf_io.HfDir | None = None
     """The HF directory, its headers read and checked; None for a checkpoint."""
-    files_dir: Path | None = None
-    """Where the tokenizer and the original HF config live (None: unknown)."""
+    dirs: tuple[Path, ...] = ()
+    """Where the tokenizer, the special tokens and the original HF config may be, in order: the HF
+    directory, or the run's directory, checkpoint.init_from's chain and its prepared data (`chain`)."""
 
     def base_hf_config(self) -> dict | None:
-        d = self.files_dir
-        for name in (HF_CONFIG, "config.json"):
-            if d is not None and (d / name).is_file():
-                return json.loads((d / name).read_text())
+        for d in self.dirs:
+            for name in (HF_CONFIG, "config.json"):
+                if (d / name).is_file():
+                    return json.loads((d / name).read_text())
         return None
+
+    def tokenizer(self) -> hf_tokenizer.TokenizerFiles:
+        return hf_tokenizer.find(list(self.dirs), self.config)
 
     def params(self, abstract_params: dict, model: config_lib.ModelConfig | None = None) -> dict:
         """The parameters, restored straight into the shapes and shardings of `abstract_params`
@@ -66,31 +75,49 @@ def find(path: str | Path, what: str = "checkpoint.init_from") -> Source:
     """Resolves a weights source; ConfigError (naming `what`) if there is none."""
     p = Path(path)
     if not p.exists():
-        raise config_lib.ConfigError(f"{what}: '{path}' does not exist")
+        raise config_lib.ConfigError(f"{what}: '{path}' does not exist{listing.steps_near(p)}")
     if hf_io.is_hf_dir(p):
         hf_dir = hf_io.HfDir(p)  # checks architecture, shards and shapes before any work
-        return Source(p, hf_dir.model, {}, hf_dir=hf_dir, files_dir=p)
-    ckpt_dir, step = listing.locate(str(p), what)
-    if step is not None:
-        step_dir = Path(ckpt_dir) / str(step)
-    else:
-        committed = [s for s in listing.scan(ckpt_dir) if s.state == "committed"]
-        if not committed:
-            raise config_lib.ConfigError(f"{what}: '{path}' holds no committed checkpoint and no Hugging Face "
-                                         "model (config.json + *.safetensors)")
-        step_dir = Path(str(committed[-1].path))
+        return Source(p, hf_dir.model, {}, hf_dir=hf_dir, dirs=(p,))
+    step_dir = newest_step(p, what)
     meta = listing.read_meta(step_dir)
     if not meta or "config" not in meta:
         raise config_lib.ConfigError(f"{what}: {step_dir} has no readable meta/metadata "
                                      "(is it a shardtrain checkpoint?)")
     cfg = meta["config"]
-    run_dir = step_dir.parent.parent
-    files_dir = None
-    for d in (run_dir, Path(cfg.get("checkpoint", {}).get("init_from") or run_dir)):
-        if d.is_dir() and any((d / n).is_file() for n in (*hf_io.TOKENIZER_FILES, HF_CONFIG, "config.json")):
-            files_dir = d
-            break
-    return Source(p, model_from_dict(cfg["model"]), cfg, step_dir=step_dir, files_dir=files_dir)
+    return Source(p, model_from_dict(cfg["model"]), cfg, step_dir=step_dir, dirs=chain(cfg, step_dir.parent.parent))
+
+
+def newest_step(p: Path, what: str) -> Path:
+    """The step directory `p` names, or the newest committed one of the run or checkpoints dir `p`."""
+    ckpt_dir, step = listing.locate(str(p), what)
+    if step is not None:
+        return Path(ckpt_dir) / str(step)
+    committed = [s for s in listing.scan(ckpt_dir) if s.state == "committed"]
+    if not committed:
+        raise config_lib.ConfigError(f"{what}: '{p}' holds no committed checkpoint and no Hugging Face "
+                                     "model (config.json + *.safetensors)")
+    return Path(str(committed[-1].path))
+
+
+def chain(cfg: dict, run_dir: Path, depth: int = 3) -> tuple[Path, ...]:
+    """The directories a run's tokenizer and original HF config may be in, in order: the run dir,
+    checkpoint.init_from (and, for a run there, its own chain), the prepared data (data.source=tokens)."""
+    dirs = [run_dir]
+    init_from = (cfg.get("checkpoint") or {}).get("init_from")
+    if init_from and Path(init_from).is_dir():
+        dirs.append(Path(init_from))
+        if depth and not hf_io.is_hf_dir(init_from):
+            try:
+                step_dir = newest_step(Path(init_from), "checkpoint.init_from")
+                dirs += chain((listing.read_meta(step_dir) or {}).get("config", {}), step_dir.parent.parent, depth - 1)
+            except config_lib.ConfigError:
+                pass
+    data = cfg.get("data") or {}
+    for path in [data.get("path"), *(e.get("path") for e in data.get("mixture") or [])]:
+        if data.get("source") == "tokens" and path and not config_lib.is_url(path) and Path(path).is_dir():
+            dirs.append(Path(path))
+    return tuple(dict.fromkeys(dirs))
 
 
 def restore_params(step_dir: Path, abstract_params: dict) -> dict:
@@ -170,11 +197,13 @@ def fresh_adapters(layout: sharding.ParamLayout, seed: int) -> dict:
     return jax.jit(lambda: split_adapters(layout.init(jax.random.key(seed)))[1], out_shardings=shardings)()
 
 
-def write_run_config(cfg: config_lib.RunConfig, path: Path) -> None:
-    """The resolved config without run_dir (a rerun chooses its own) as YAML."""
+def write_run_config(cfg: config_lib.RunConfig, path: Path, header: str = "") -> None:
+    """The resolved config without run_dir (a rerun chooses its own) as YAML, after a `header` comment."""
     tree = yaml.safe_load(config_lib.dump(cfg))
     tree.pop("run_dir", None)
-    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    if str(tree["data"].get("path")).endswith("/" + loader.DATA_PATH_TO_FILL_IN):  # the placeholder, as written
+        tree["data"]["path"] = loader.DATA_PATH_TO_FILL_IN
+    path.write_text("".join(f"# {line}\n" for line in header.splitlines()) + yaml.safe_dump(tree, sort_keys=False))
 
 
 # ----------------------------------------------------------------------------- import-hf / export-hf
@@ -213,7 +242,8 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     if listing.scan(str(out / "checkpoints")):
         raise config_lib.ConfigError(f"import-hf: {out} already holds checkpoints; give a new OUT_DIR")
     cfg = config_lib.load(None, ["mesh.fsdp=-1", f"run_dir={out}", f"checkpoint.init_from={out}",
-                                 "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", *overrides])
+                                 "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", "data.source=tokens",
+                                 f"data.path={loader.DATA_PATH_TO_FILL_IN}", *overrides])
     cfg = dataclasses.replace(cfg, model=src.model, name=f"{out.name}-ft")  # its runs: runs/NAME-ft, not OUT_DIR
     config_lib.validate(cfg)
     layout = fsdp_layout(cfg, "import-hf")
@@ -224,12 +254,14 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     ckpt.save(0, state)
     ckpt.wait()
     ckpt.close()
-    write_run_config(cfg, out / "config.yaml")
+    write_run_config(cfg, out / "config.yaml", header=FINE_TUNE_HINT.format(out=out))
     shutil.copyfile(src.dir / "config.json", out / HF_CONFIG)
-    hf_io.copy_side_files(src.dir, out)
+    hf_tokenizer.copy_side_files(src.dir, out)
     n = sum(x.size for x in jax.tree.leaves(params))
-    say(f"imported {src.family.architecture} ({n / 1e6:.2f}M parameters) from {src.dir} to {out} "
-        f"in {time.perf_counter() - t0:.1f} s; fine-tune with: shardtrain train {out / 'config.yaml'}")
+    found = hf_tokenizer.find([out], {})
+    eos = f"EOS {found.eos_token!r} (id {found.eos_ids[0]})" if found.eos_ids else "no EOS token known"
+    say(f"imported {src.family.architecture} ({n / 1e6:.2f}M parameters, {eos}) from {src.dir} to {out} in "
+        f"{time.perf_counter() - t0:.1f} s; fine-tune: {FINE_TUNE_HINT.format(out=out)}")
 
 
 def parse_bytes(text: str) -> int:
@@ -246,7 +278,8 @@ def parse_bytes(text: str) -> int:
 def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shard_size: str = "5GB",
               say=print) -> None:
     """`shardtrain export-hf`: a run directory, checkpoint step or import-hf directory -> an HF
-    model directory loadable by transformers (config.json, safetensors shards + index, tokenizer)."""
+    model directory loadable by transformers (config.json, safetensors weights, the tokenizer of the
+    source's chain with its EOS / BOS: hf/tokenizer.py); says in one line when it writes no tokenizer."""
     t0 = time.perf_counter()
     source = find(source_path, what="export-hf")
     base = source.base_hf_config()
@@ -255,8 +288,14 @@ def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shar
         dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
     limit = parse_bytes(max_shard_size)
     params = merge_adapters(source.params(fsdp_layout(run_config_of(source), "export-hf").params), source.model)
+    found = source.tokenizer()
     files = hf_io.export(params, source.model, out_dir, base=base, dtype=dtype, max_shard_bytes=limit,
-                         side_files=source.files_dir)
+                         special_ids=hf_tokenizer.config_ids(found))
     if jax.process_index() == 0:
+        missing = hf_tokenizer.write(Path(out_dir), found)
+        tokenizer = f"tokenizer from {found.dir}" if found.dir else "no tokenizer"
+        eos = f", EOS {found.eos_token!r} (id {found.eos_ids[0]})" if found.eos_ids else ", no EOS known"
         say(f"exported {source.step_dir or source.path} to {out_dir} ({len(files)} safetensors file"
-            f"{'s' * (len(files) > 1)}, {dtype}) in {time.perf_counter() - t0:.1f} s")
+            f"{'s' * (len(files) > 1)}, {dtype}; {tokenizer}{eos}) in {time.perf_counter() - t0:.1f} s")
+        if missing:
+            say(f"export-hf: {missing}")

@@ -227,3 +227,38 @@ def test_chat_needs_a_template_and_jsonl(capsys, tmp_path, chat_data):
         "{% if add_generation_prompt %}A:{% endif %}")
     with pytest.raises(ConfigError, match="x.jsonl:7: the chat template does not render the conversation up"):
         broken.render(messages, "x.jsonl:7")
+
+
+def test_eos_token_is_known_without_tokenizer_config_and_an_undefined_variable_exits_2(capsys, tmp_path, chat_data):
+    """A directory with only tokenizer.json and a template (a base model's, issue 25): `{{ eos_token }}`
+    renders the EOS prepare ends documents with, where transformers would print nothing; a variable
+    nothing defines (here bos_token, or a typo) exits 2 naming it instead of rendering empty."""
+    root, dirs = chat_data
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_text((dirs["plain"][0] / "tokenizer.json").read_text())
+    turn = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.role == 'assistant' %}{{ eos_token }}"
+            "{% endif %}\n")
+    (bare / "chat_template.jinja").write_text(turn + "{% endfor %}")
+    text, spans = chat.ChatTemplate(bare, tokenize.load(str(bare))).render(CONVERSATIONS[1], "x")
+    assert text.count("<eos>") == sum(m["role"] == "assistant" for m in CONVERSATIONS[1]) == 2
+    assert all(text[lo:hi].endswith("<eos>") for lo, hi in spans)  # the EOS is an assistant token
+    for variable in ("bos_token", "nosuchvariable"):
+        (bare / "chat_template.jinja").write_text(f"{{{{ {variable} }}}}" + turn + "{% endfor %}")
+        code, err = run_cli(capsys, "prepare", str(root / "chat.jsonl"), "--tokenizer", str(bare), "--out",
+                            str(tmp_path / "out"), "--chat")
+        assert code == 2 and f"'{variable}' is undefined" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_example_template_turns_a_base_model_into_a_chat_model(tmp_path, chat_data):
+    """examples/chat_template.jinja (README): BOS once, each reply and its EOS are the assistant's tokens."""
+    d = tmp_path / "base"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_text((chat_data[1]["plain"][0] / name).read_text())
+    (d / "chat_template.jinja").write_text((Path(__file__).parents[2] / "examples" / "chat_template.jinja").read_text())
+    template = chat.ChatTemplate(d, tokenize.load(str(d)))
+    text, spans = template.render(CONVERSATIONS[1], "x")
+    replies = [m["content"] for m in CONVERSATIONS[1] if m["role"] == "assistant"]
+    assert text.startswith("<bos>User: ") and [text[lo:hi] for lo, hi in spans] == [f" {r}<eos>\n" for r in replies]
+    assert template.prompt(CONVERSATIONS[1][:1]).endswith("\nAssistant:")

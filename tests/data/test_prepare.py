@@ -39,6 +39,8 @@ def test_prepare_resumes_and_runs_in_parallel(tok_path, corpus, tmp_path):
     said = []
     assert prepare.prepare(inputs, opts, workers=1, say=said.append) == first
     assert said[0].startswith("prepare: 1 of 2 input files or parts already done")
+    prepare.prepare(inputs, opts, workers=1, say=said.append)  # all done: no "0 tokens/s"
+    assert said[-1].endswith("EOS id 0; nothing to tokenize: every part was done already"), said[-1]
 
 
 def test_large_files_split_into_parts_give_the_same_bytes(tok_path, tmp_path):
@@ -95,4 +97,8 @@ def test_prepare_errors(capsys, tmp_path, tok_path, corpus):
         inputs = [str(corpus / "b.parquet")] if "body" in args else [str(corpus / "c*.txt")]
         code, _, err = run_cli(capsys, "prepare", *inputs, "--out", str(tmp_path / "out"), *args)
         assert code == 2 and message in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    (tmp_path / "shard.bin").write_bytes(b"\1\0\2\0")  # a binary file among the inputs is refused, named
+    code, _, err = run_cli(capsys, "prepare", str(tmp_path / "shard.bin"), "--tokenizer", str(tok_path), "--out",
+                           str(tmp_path / "out"))
+    assert code == 2 and f"{tmp_path}/shard.bin: not a text file (a NUL byte at byte 1" in err, err
 

@@ -56,7 +56,8 @@ def test_lora_fine_tune_from_import_then_merged_export(tmp_path, capsys):
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
     with pytest.raises(SystemExit) as e:
         cli.main(["train", str(tmp_path / "imp" / "config.yaml"), f"run_dir={run}", "train.steps=3",
-                  "data.seq_len=16", "train.global_batch_size=8", *mesh, "train.compile_cache=false",
+                  "data.source=synthetic", "data.seq_len=16", "train.global_batch_size=8", *mesh,
+                  "train.compile_cache=false",
                   "model.lora.rank=4", "model.lora.targets=[q_proj,v_proj,wo_hed,w_up_df]",
                   "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=1"])
     assert e.value.code == 0
