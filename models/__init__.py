@@ -19,12 +19,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-MODELS = {"gpt": "models.gpt:Gpt", "llama": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
+MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp",
+          **{family: "models.gpt:Gpt" for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                                     "qwen3_moe")}}
+"""model.name -> class. The Hugging Face families are names of the one decoder `gpt` (import-hf writes the
+family it read, so the run says what it trains); their differences are config fields."""
 
 # Logical names of every dimension of the activations models constrain (the rules map each to mesh axes).
 BTD = ("batch", "seq", "activation_embed")
 BTF = ("batch", "seq", "mlp")
 BTV = ("batch", "seq", "vocab")
+EMBED_TABLE = ("vocab", None)
+"""The embedding table as a lookup reads it: whole along the model dimension (FSDP gathers it, as it
+does every weight before use), so the looked-up rows come out split like the batch, not like the
+table's `embed` dimension (which the partitioner could only reach by replicating the result)."""
 
 
 class UnknownModel(ValueError):

@@ -25,6 +25,7 @@ from models import (
     BTD,
     BTF,
     BTV,
+    EMBED_TABLE,
     LORA_A,
     LORA_B,
     attention,
@@ -213,7 +214,8 @@ class Gpt(nnx.Module):
                                     ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how, flat=self.constrain.size("seq") == 1)
+        table_vd = self.constrain(self.embedding_vd[...], EMBED_TABLE)
+        x_btd = embed_lookup(table_vd, tokens_bt, self.embed_how, flat=self.constrain.size("seq") == 1)
         return self.constrain(x_btd, BTD)
 
     def head(self, x_btd):

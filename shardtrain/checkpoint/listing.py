@@ -34,6 +34,13 @@ def committed_steps(cfg: config_lib.RunConfig) -> list[int]:
     return [s.step for s in scan(directory(cfg)) if s.state == "committed"]
 
 
+def newest_meta(cfg: config_lib.RunConfig) -> dict | None:
+    """The metadata of the newest committed step that has readable metadata (the one a resume
+    starts from); None without one."""
+    committed = [s for s in scan(directory(cfg)) if s.state == "committed"]
+    return next((meta for s in reversed(committed) if (meta := read_meta(s.path))), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
     path: epath.Path
