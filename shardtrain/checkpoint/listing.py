@@ -24,7 +24,7 @@ def directory(cfg: config_lib.RunConfig) -> str:
     path = cfg.checkpoint_dir()
     if path.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
         raise config_lib.ConfigError(
-            f"checkpoint.directory={path}: gs:// paths need the gcsfs package (pip install gcsfs), "
+            f"checkpoint.directory={path}: gs:// paths need the gcsfs package (pip install 'shardtrain[gcs]'), "
             "which orbax uses to list and rename checkpoint directories")
     return path
 
