@@ -29,10 +29,7 @@ family it read, so the run says what it trains); their differences are config fi
 BTD = ("batch", "seq", "activation_embed")
 BTF = ("batch", "seq", "mlp")
 BTV = ("batch", "seq", "vocab")
-EMBED_TABLE = ("vocab", None)
-"""The embedding table as a lookup reads it: whole along the model dimension (FSDP gathers it, as it
-does every weight before use), so the looked-up rows come out split like the batch, not like the
-table's `embed` dimension (which the partitioner could only reach by replicating the result)."""
+
 
 
 class UnknownModel(ValueError):
@@ -110,6 +107,16 @@ def embed_lookup(table_vd, tokens_bt, how: str = "gather", flat: bool = True):
     if how == "one_hot":
         return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd, flat=flat)
     return jnp.take(table_vd, tokens_bt, axis=0)
+
+
+def lookup_table(table_vd, constrain):
+    """The embedding table as a lookup reads it when its vocabulary is split over devices (e.g.
+    rules.vocab=tensor): whole along the model dimension (FSDP gathers it, as it does every weight
+    before use), so each vocab shard looks up its own rows and one all-reduce sums them (Megatron's
+    vocab-parallel embedding) and the rows come out split like the batch. From a table still split
+    along the model dimension the partitioner could only reach that by replicating the looked-up
+    rows (XLA's "[SPMD] Involuntary full rematerialization"). An unsplit vocabulary is left alone."""
+    return constrain(table_vd, ("vocab", None)) if constrain.size("vocab") > 1 else table_vd
 
 
 def matmul_params(cfg, n_params: int) -> int:

@@ -25,12 +25,12 @@ from models import (
     BTD,
     BTF,
     BTV,
-    EMBED_TABLE,
     LORA_A,
     LORA_B,
     attention,
     dense,
     embed_lookup,
+    lookup_table,
     matmul_params,
     moe,
     no_constraint,
@@ -214,7 +214,7 @@ class Gpt(nnx.Module):
                                     ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        table_vd = self.constrain(self.embedding_vd[...], EMBED_TABLE)
+        table_vd = lookup_table(self.embedding_vd[...], self.constrain)
         x_btd = embed_lookup(table_vd, tokens_bt, self.embed_how, flat=self.constrain.size("seq") == 1)
         return self.constrain(x_btd, BTD)
 

@@ -12,9 +12,9 @@ from models import (
     BTD,
     BTF,
     BTV,
-    EMBED_TABLE,
     dense,
     embed_lookup,
+    lookup_table,
     matmul_params,
     no_constraint,
     param,
@@ -44,7 +44,7 @@ class Mlp(nnx.Module):
         self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        table_vd = self.constrain(self.embedding_vd[...], EMBED_TABLE)
+        table_vd = lookup_table(self.embedding_vd[...], self.constrain)
         return self.constrain(embed_lookup(table_vd, tokens_bt, self.embed_how), BTD)
 
     def head(self, x_btd):
