@@ -1,4 +1,5 @@
-# make train: create .venv, install, run the default training. make test: the whole suite. make lint: ruff.
+# make train: create .venv (with the test extra: about 2 GB), install, run the default training. make test: the whole
+# suite. make lint: ruff. Users install with `pip install .` instead (README, Quick start).
 PY ?= python3
 # pytest-xdist workers for make test: one pytest process keeps ~1.4 of CI's 2 cores busy; 2 workers measured
 # 81 s faster (15:27 against 16:48). Tests that share a fixture run on one worker (tests/conftest.py ONE_WORKER).

@@ -19,12 +19,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-MODELS = {"gpt": "models.gpt:Gpt", "llama": "models.gpt:Gpt", "mlp": "models.mlp:Mlp"}
+MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp",
+          **{family: "models.gpt:Gpt" for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                                     "qwen3_moe")}}
+"""model.name -> class. The Hugging Face families are names of the one decoder `gpt` (import-hf writes the
+family it read, so the run says what it trains); their differences are config fields."""
 
 # Logical names of every dimension of the activations models constrain (the rules map each to mesh axes).
 BTD = ("batch", "seq", "activation_embed")
 BTF = ("batch", "seq", "mlp")
 BTV = ("batch", "seq", "vocab")
+
 
 
 class UnknownModel(ValueError):
@@ -102,6 +107,16 @@ def embed_lookup(table_vd, tokens_bt, how: str = "gather", flat: bool = True):
     if how == "one_hot":
         return dense(jax.nn.one_hot(tokens_bt, table_vd.shape[0], dtype=table_vd.dtype), table_vd, flat=flat)
     return jnp.take(table_vd, tokens_bt, axis=0)
+
+
+def lookup_table(table_vd, constrain):
+    """The embedding table as a lookup reads it when its vocabulary is split over devices (e.g.
+    rules.vocab=tensor): whole along the model dimension (FSDP gathers it, as it does every weight
+    before use), so each vocab shard looks up its own rows and one all-reduce sums them (Megatron's
+    vocab-parallel embedding) and the rows come out split like the batch. From a table still split
+    along the model dimension the partitioner could only reach that by replicating the looked-up
+    rows (XLA's "[SPMD] Involuntary full rematerialization"). An unsplit vocabulary is left alone."""
+    return constrain(table_vd, ("vocab", None)) if constrain.size("vocab") > 1 else table_vd
 
 
 def matmul_params(cfg, n_params: int) -> int:

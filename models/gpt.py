@@ -30,6 +30,7 @@ from models import (
     attention,
     dense,
     embed_lookup,
+    lookup_table,
     matmul_params,
     moe,
     no_constraint,
@@ -213,7 +214,8 @@ class Gpt(nnx.Module):
                                     ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        x_btd = embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how, flat=self.constrain.size("seq") == 1)
+        table_vd = lookup_table(self.embedding_vd[...], self.constrain)
+        x_btd = embed_lookup(table_vd, tokens_bt, self.embed_how, flat=self.constrain.size("seq") == 1)
         return self.constrain(x_btd, BTD)
 
     def head(self, x_btd):

@@ -8,7 +8,19 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from models import BTD, BTF, BTV, dense, embed_lookup, matmul_params, no_constraint, param, scan_blocks, stacked
+from models import (
+    BTD,
+    BTF,
+    BTV,
+    dense,
+    embed_lookup,
+    lookup_table,
+    matmul_params,
+    no_constraint,
+    param,
+    scan_blocks,
+    stacked,
+)
 
 normal = nnx.initializers.normal
 
@@ -32,7 +44,8 @@ class Mlp(nnx.Module):
         self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_bt):
-        return self.constrain(embed_lookup(self.embedding_vd[...], tokens_bt, self.embed_how), BTD)
+        table_vd = lookup_table(self.embedding_vd[...], self.constrain)
+        return self.constrain(embed_lookup(table_vd, tokens_bt, self.embed_how), BTD)
 
     def head(self, x_btd):
         return self.constrain(dense(x_btd, self.unembed_dv[...]), BTV)

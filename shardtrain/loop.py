@@ -9,10 +9,12 @@ from pathlib import Path
 
 import jax
 
+from models import is_adapter
 from shardtrain import (
     config as config_lib,
     evaluate,
     mesh as mesh_lib,
+    optim,
     step as step_lib,
 )
 from shardtrain.checkpoint import listing, manager
@@ -84,8 +86,9 @@ def train(cfg: config_lib.RunConfig) -> int:
         say(f"run {cfg.run_dir} is complete: checkpoint step {max(committed)} reaches train.steps="
             f"{cfg.train.steps}; nothing to do (raise train.steps to continue it)")
         return 0
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as opened:
-        opened.enter_context(manager.library_log(cfg))
+        opened.enter_context(manager.library_log(cfg.run_dir))
         return _train(cfg, opened)
 
 
@@ -94,10 +97,11 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
     sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
     dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
+    cfg, lr_line = optim.resolve_schedule(cfg, listing.newest_meta(cfg))  # a resume keeps the recorded schedule
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
     if jax.process_index() == 0:
-        _announce(prog, sources)
+        _announce(prog, sources, lr_line)
     preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
     opened.callback(preemption.close)
     t0 = time.perf_counter()
@@ -112,14 +116,37 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
     return _run_steps(prog, compiled, state, start, dataset, ckpt, metrics, evaluator, preemption)
 
 
-def _announce(prog: step_lib.Program, sources) -> None:
-    """Process 0's first lines: the run's config file, the model and devices, the mode, the data."""
+def model_line(prog: step_lib.Program) -> str:
+    """What trains: the model, its parameters, the trainable ones (LoRA: which adapters), the devices."""
+    cfg, lora = prog.cfg, prog.cfg.model.lora
+    total = prog.param_count()
+    if lora.rank > 0:
+        trainable = step_lib.param_count(prog.layout, is_adapter)
+        what = (f"{count(trainable)} ({100 * trainable / total:.1f}%) trainable: LoRA rank {lora.rank}, alpha "
+                f"{lora.alpha:g} on {', '.join(lora.targets)} (the other {count(total - trainable)} frozen)")
+    else:
+        what = "all trainable"
+    return (f"shardtrain: {cfg.model.name}, {count(total)} params, {what}; on {jax.device_count()} "
+            f"{jax.devices()[0].platform} devices, mesh {dict(prog.mesh.shape)}; compiling...")
+
+
+def count(n: int) -> str:
+    """A parameter count for people: 1.56M, 12.3K, 7.24B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.{2 if suffix != 'K' else 1}f}{suffix}"
+    return str(n)
+
+
+def _announce(prog: step_lib.Program, sources, lr_line: str) -> None:
+    """Process 0's first lines: the run's config file, what trains on which devices, the mode, the
+    learning rate, the data."""
     cfg = prog.cfg
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
-    print(f"shardtrain: {cfg.model.name} {prog.param_count() / 1e6:.2f}M params on {jax.device_count()} "
-          f"{jax.devices()[0].platform} devices, mesh {dict(prog.mesh.shape)}; compiling...", flush=True)
+    print(model_line(prog), flush=True)
     print(mode_line(prog), flush=True)
+    print(lr_line, flush=True)
     print(loader.describe(cfg, sources), flush=True)
 
 

@@ -122,8 +122,10 @@ def dtype(name: str):
     return jnp.dtype(name)
 
 
-def param_count(layout: sharding.ParamLayout) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(layout.params))
+def param_count(layout: sharding.ParamLayout, where: Callable | None = None) -> int:
+    """The parameters of `layout`; with `where`, those whose key path `where(path)` accepts."""
+    return sum(math.prod(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(layout.params)
+               if where is None or where(path))
 
 
 def flops_per_token(cfg: RunConfig, layout: sharding.ParamLayout) -> float:

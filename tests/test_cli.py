@@ -33,7 +33,7 @@ def run_cli(capsys, *argv):
      "parameter blocks/wk_dke (2, 32, 4, 8): dimension 2 ('kv_heads') of size 4 is not divisible by "
      "mesh axes tensor = 8"),
     (["data.path=/nonexistent/*.txt"], "data.path: no files found at '/nonexistent/*.txt'"),
-    (["model.name=bert"], "model.name: unknown model 'bert'; known: gpt, llama, mlp"),
+    (["model.name=bert"], "model.name: unknown model 'bert'; known: gpt, mlp, llama, mistral, qwen2"),
     (["mesh.fsdp=1", "mesh.context=2", "data.seq_len=48", "train.loss_chunk=16"],
      "train.loss_chunk=16 must divide the 24 positions of data.seq_len=48 each of the 2 context-parallel devices"),
 ])
@@ -61,6 +61,9 @@ def test_demo_config_trains_on_text(tmp_path):
          "train.profile_steps=[3, 4]", "train.compile_cache=false", f"run_dir={run_dir}"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
+    # no warning a user cannot act on: XLA's resharding of the embedding lookup (rules.vocab=tensor)
+    assert "Involuntary full rematerialization" not in result.stderr
+    assert "shardtrain: gpt, 1.12M params, all trainable" in result.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == list(range(2, 25, 2))
@@ -99,15 +102,37 @@ def test_newcomer_mistakes_exit_2_with_one_line_before_training(capsys, tmp_path
 
 
 @pytest.mark.slow
-def test_profile_range_partly_behind_a_resumed_run_traces_the_rest(tmp_path):
-    """A resumed run whose profile range started before the resume point traces the steps still ahead
-    (it used to call stop_trace without a trace: `RuntimeError: No profile started`)."""
+def test_resume_to_more_steps_keeps_the_lr_schedule_and_traces_the_rest_of_a_profile_range(tmp_path, capsys):
+    """Raising train.steps on resume keeps the LR schedule recorded at the run's start (the cosine
+    is not stretched over the new length: the LR stays at its final value) and says so. A profile
+    range that started before the resume point traces the steps still ahead (it used to call
+    stop_trace without a trace: `RuntimeError: No profile started`)."""
     from shardtrain import config, loop
     tiny = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16", "data.source=synthetic",
-            "train.global_batch_size=8", "train.compile_cache=false", f"run_dir={tmp_path}"]
+            "train.global_batch_size=8", "train.compile_cache=false", "optimizer.warmup_steps=1",
+            f"run_dir={tmp_path}"]
     assert loop.train(config.load("meshes/demo.yaml", [*tiny, "train.steps=2"])) == 0
+    assert "lr: linear warmup to 0.003 at step 1, then cosine decay to 0.0003 at step 2" in capsys.readouterr().out
     assert loop.train(config.load("meshes/demo.yaml", [*tiny, "train.steps=4", "train.profile_steps=[1, 3]"])) == 0
+    assert "lr from step 2 (0.0003): 0.0003 from step 2 to 4 (the schedule recorded" in capsys.readouterr().out
+    lr = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+          if "lr" in r}
+    assert lr[1] == 0 and lr[2] == pytest.approx(3e-3) and lr[3] == lr[4] == pytest.approx(3e-4)  # row N: update N
+    assert "decay_steps: 2" in (tmp_path / "config.yaml").read_text()  # the resolved schedule is recorded
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ([], "shardtrain: gpt, 37.0K params, all trainable; on 8 cpu devices"),
+    (["model.name=llama", "model.lora.rank=2", "model.lora.targets=[q_proj,w_down_fd]"],
+     # per layer, rank 2 x (in + out): q 32 + 32 (4 heads of 8), down 64 + 32; 2 layers
+     f"shardtrain: llama, 37.7K params, {2 * 2 * (32 + 32 + 64 + 32)} (1.7%) trainable: LoRA rank 2, alpha 16 on "
+     "q_proj, w_down_fd (the other 37.0K frozen); on 8 cpu devices"),
+])
+def test_start_of_a_run_says_what_trains(overrides, line):
+    from shardtrain import config, loop, mesh as mesh_lib, step
+    cfg = config.load("meshes/demo.yaml", [*TINY, *overrides])
+    assert line in loop.model_line(step.build(cfg, mesh_lib.make_mesh(cfg.mesh)))
 
 
 @pytest.mark.parametrize("overrides, line", [

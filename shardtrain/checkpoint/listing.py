@@ -24,7 +24,7 @@ def directory(cfg: config_lib.RunConfig) -> str:
     path = cfg.checkpoint_dir()
     if path.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
         raise config_lib.ConfigError(
-            f"checkpoint.directory={path}: gs:// paths need the gcsfs package (pip install gcsfs), "
+            f"checkpoint.directory={path}: gs:// paths need the gcsfs package (pip install 'shardtrain[gcs]'), "
             "which orbax uses to list and rename checkpoint directories")
     return path
 
@@ -32,6 +32,13 @@ def directory(cfg: config_lib.RunConfig) -> str:
 def committed_steps(cfg: config_lib.RunConfig) -> list[int]:
     """The committed step numbers in the run's checkpoint directory (no Orbax manager needed)."""
     return [s.step for s in scan(directory(cfg)) if s.state == "committed"]
+
+
+def newest_meta(cfg: config_lib.RunConfig) -> dict | None:
+    """The metadata of the newest committed step that has readable metadata (the one a resume
+    starts from); None without one."""
+    committed = [s for s in scan(directory(cfg)) if s.state == "committed"]
+    return next((meta for s in reversed(committed) if (meta := read_meta(s.path))), None)
 
 
 @dataclasses.dataclass(frozen=True)

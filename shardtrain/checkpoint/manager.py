@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -279,22 +280,42 @@ class Checkpointer:
         self.manager.close()
 
 
+def console_handlers(logger: logging.Logger) -> list[logging.Handler]:
+    """The handlers of `logger` that write to the process's stderr or stdout."""
+    return [h for h in logger.handlers if isinstance(h, logging.StreamHandler)
+            and getattr(h.stream, "name", None) in ("<stderr>", "<stdout>")]
+
+
+class LibraryLog(logging.FileHandler):
+    """The file `library_log` sends library logging to."""
+
+
 @contextlib.contextmanager
-def library_log(cfg: config_lib.RunConfig):
-    """Within this block what Orbax logs (through absl: a failed async save's traceback, say) goes
-    to run_dir/shardtrain.log (shardtrain.process<i>.log on other processes), not the console."""
+def library_log(directory: str | Path):
+    """Within this block what libraries log through Python's `logging` (Orbax through absl: a failed
+    async save's traceback, its warnings while reading a checkpoint; jax, grain) goes to
+    DIRECTORY/shardtrain.log (shardtrain.process<i>.log on other processes), not the console;
+    to the system's temporary directory when DIRECTORY is not a directory this process can write.
+    Inside another such block (a run reading its checkpoint.init_from) the outer file keeps it all."""
+    root = logging.getLogger()
+    if any(isinstance(h, LibraryLog) for h in root.handlers):
+        yield
+        return
     name = LOG_FILE if jax.process_index() == 0 else f"shardtrain.process{jax.process_index()}.log"
-    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(Path(cfg.run_dir) / name, delay=True)  # created on the first record
+    writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
+    handler = LibraryLog(Path(directory if writable else tempfile.gettempdir()) / name,
+                         delay=True)  # created on the first record
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("absl")
-    propagate, logger.propagate = logger.propagate, False
-    logger.addHandler(handler)
+    console = console_handlers(root)
+    for h in console:
+        root.removeHandler(h)
+    root.addHandler(handler)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
+        root.removeHandler(handler)
+        for h in console:
+            root.addHandler(h)
         handler.close()
 
 

@@ -260,7 +260,9 @@ class OptimizerConfig:
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     decay_steps: Optional[int] = None
-    """Cosine decay length; default: train.steps."""
+    """Cosine decay length (the LR then stays at learning_rate x min_lr_ratio); null: train.steps at the
+    run's start, resolved then and recorded in run_dir/config.yaml and each checkpoint, so resuming
+    with a larger train.steps keeps it; a number set on a resume re-plans the decay."""
     min_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.95

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardtrain.config import ConfigError, ModelConfig, MoeConfig, RopeScalingConfig
-from shardtrain.hf.families import Family, Moe, family_for, family_of, field_of, misfits
+from shardtrain.hf.families import FAMILIES, Family, Moe, family_for, family_of, field_of, misfits
 
 
 def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -27,7 +27,7 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     theta, rope_scaling = rope(hf, where)
     head_dim = hf.get("head_dim") or d // h
     fields = dict(sliding_window=sliding_window(hf, family, where),
-        name="gpt", vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=h,
+        name=family.model_type, vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=h,
         n_kv_heads=hf.get("num_key_value_heads") or h, d_ff=hf["intermediate_size"], rope_theta=theta,
         rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -100,9 +100,10 @@ def sliding_window(hf: dict, family: Family, where: str) -> int | None:
 
 def export_family(m: ModelConfig, base: dict | None) -> Family:
     """The family to write: the imported model's (`base`, its config.json), which must still hold
-    the model config, or else the first that holds it."""
+    the model config, or else the one model.name names if it holds it, or else the first that does."""
     if base is None:
-        return family_for(m)
+        named = [f for f in FAMILIES.values() if f.model_type == m.name and not misfits(f, m)]
+        return named[0] if named else family_for(m)
     family = family_of(base, "the imported model's config.json")
     bad = misfits(family, m)
     if bad:

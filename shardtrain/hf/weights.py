@@ -64,7 +64,8 @@ class Source:
         (of `model`, by default the source's own); ConfigError naming the tensors that differ."""
         if self.hf_dir is not None:
             return self.hf_dir.params(abstract_params, model)
-        return restore_params(self.step_dir, abstract_params)
+        with manager.library_log(self.step_dir.parent.parent):  # Orbax's chatter: beside checkpoints/
+            return restore_params(self.step_dir, abstract_params)
 
 
 def model_from_dict(d: dict) -> config_lib.ModelConfig:

@@ -238,7 +238,7 @@ def test_gs_directory_is_passed_to_orbax_untouched(cfg_factory, monkeypatch):
     assert seen["directory"] == "gs://bucket/runs/x"
     assert seen["options"].max_to_keep == 5 and seen["options"].keep_period == 100
     monkeypatch.setattr(listing.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(config.ConfigError, match="checkpoint.directory=gs://bucket/runs/x: .*gcsfs"):
+    with pytest.raises(config.ConfigError, match=r"directory=gs://bucket/runs/x: .*pip install 'shardtrain\[gcs\]'"):
         checkpointer(prog)
     with pytest.raises(config.ConfigError, match="run_dir=gs://b/r: must be a local directory"):
         config.load(None, ["run_dir=gs://b/r"])

@@ -15,16 +15,21 @@ from shardtrain.hf.config import model_config
 from shardtrain.hf.io import HfDir, safetensors_files
 
 
-def test_import_then_export_round_trips_bit_exactly(tmp_path, monkeypatch):
+def test_import_then_export_round_trips_bit_exactly(tmp_path, monkeypatch, capfd):
     src = FIXTURES / "qwen3"  # sharded with an index, bf16
     weights.import_hf(str(src), str(tmp_path / "imp"), say=lambda _: None)
     assert (tmp_path / "imp" / "config.yaml").exists() and (tmp_path / "imp" / "tokenizer.json").exists()
-    assert "name: imp-ft" in (tmp_path / "imp" / "config.yaml").read_text()  # runs go to runs/imp-ft
+    written = (tmp_path / "imp" / "config.yaml").read_text()
+    assert "name: imp-ft" in written  # runs go to runs/imp-ft
+    assert "\n  name: qwen3\n" in written  # the model is named by its family, which runs announce
     with pytest.raises(SystemExit) as e:  # a run directory that is the import's own would resume from it
         cli.main(["train", str(tmp_path / "imp" / "config.yaml"), f"run_dir={tmp_path / 'imp'}"])
     assert e.value.code == 2
     monkeypatch.chdir(tmp_path)  # relative paths, as typed on a command line
     weights.export_hf("imp", "exp", max_shard_size="30KB", say=lambda _: None)
+    console = capfd.readouterr()
+    assert "absl" not in console.err + console.out  # Orbax's warnings went to the log beside checkpoints/
+    assert "Metadata file does not exist" in (tmp_path / "imp" / "shardtrain.log").read_text()
     a = safetensors_io.Reader(safetensors_files(src))
     b = safetensors_io.Reader(safetensors_files(tmp_path / "exp"))
     assert sorted(a.names()) == sorted(b.names())
@@ -61,7 +66,12 @@ def test_lora_fine_tune_from_import_then_merged_export(tmp_path, capsys):
                   "model.lora.rank=4", "model.lora.targets=[q_proj,v_proj,wo_hed,w_up_df]",
                   "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=1"])
     assert e.value.code == 0
-    assert "starting from the weights of" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "starting from the weights of" in out
+    # per layer, rank 4 x (in + out): q 32 + 32, v 32 + 16 (2 kv heads of 8), o 32 + 32, up 32 + 64; 2 layers
+    trainable = 2 * 4 * ((32 + 32) + (32 + 16) + (32 + 32) + (32 + 64))
+    assert "shardtrain: qwen2, " in out and f", {trainable / 1e3:.1f}K (" in out
+    assert "trainable: LoRA rank 4, alpha 16 on q_proj, v_proj, wo_hed, w_up_df (the other " in out
     trained, imported = weights.find(run), weights.find(tmp_path / "imp")
     layout = weights.fsdp_layout(weights.run_config_of(trained))
     after = jax.tree.map(np.asarray, trained.params(layout.params))
