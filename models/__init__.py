@@ -31,7 +31,6 @@ BTF = ("batch", "seq", "mlp")
 BTV = ("batch", "seq", "vocab")
 
 
-
 class UnknownModel(ValueError):
     """`get` was asked for a name not in MODELS (the trainer turns it into its config error)."""
 

@@ -50,7 +50,10 @@ def test_manual_float32_reduction_matches_gspmd(cfg_factory, monkeypatch):
 
 def test_bf16_moves_half_and_int8_a_quarter_of_fp32_over_data(cfg_factory, monkeypatch):
     default = build(cfg_factory)
-    gspmd_compiled = data_traffic(hlo.collectives(default.lower().compile().as_text(), dict(default.mesh.shape)))
+    # what GSPMD's default fp32 step moves in groups that include the data axis (it reduces some
+    # gradients over data x fsdp at once, e.g. the vocab-parallel embedding table's)
+    gspmd_compiled = sum(c.traffic_bytes * c.count for c in hlo.collectives(
+        default.lower().compile().as_text(), dict(default.mesh.shape)) if "data" in c.axes)
     monkeypatch.setattr(comm, "enabled", lambda cfg: True)
     lowered = {d: build(cfg_factory, f"train.comm.grad_reduce_dtype={d}").lower()
                for d in ("float32", "bfloat16", "int8")}
@@ -65,9 +68,8 @@ def test_bf16_moves_half_and_int8_a_quarter_of_fp32_over_data(cfg_factory, monke
     assert data_traffic(cols["int8"], "i8", 0) == f32 / 4
     scales = data_traffic(cols["int8"], "f32", 0)
     assert 0 < scales < 0.02 * f32
-    # Compiled program: the CPU compiler keeps s8 collectives, so int8 is a quarter of what
-    # GSPMD's default fp32 step moves over the data axis (which also reduces a few tensors over
-    # data x fsdp at once: counted here only where the group is the data axis alone).
+    # Compiled program: the CPU compiler keeps s8 collectives, so int8 moves at most a quarter of
+    # what GSPMD's default fp32 step moves in groups that include the data axis.
     int8_compiled = hlo.collectives(lowered["int8"].compile().as_text(), dict(default.mesh.shape))
     assert data_traffic(int8_compiled, "s8", 0) == f32 / 4
     assert data_traffic(int8_compiled, "s8", 0) <= 0.26 * gspmd_compiled
