@@ -142,7 +142,6 @@ def _announce(prog: step_lib.Program, sources, lr_line: str) -> None:
     """Process 0's first lines: the run's config file, what trains on which devices, the mode, the
     learning rate, the data."""
     cfg = prog.cfg
-    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
     print(model_line(prog), flush=True)
     print(mode_line(prog), flush=True)
