@@ -5,7 +5,9 @@ tokens/s and MFU (model FLOPs / the chip's dense bf16 peak from shardtrain/plan/
     python bench/gpu.py --smoke    # tiny model on CPU (XLA attention): checks the script runs
 
 Synthetic data (nothing downloaded), fp32 master weights + AdamW, remat `dots`, chunked loss.
-Prints one JSON line: tokens/s, MFU, step time (median of the steps after the first 5), memory.
+Prints one JSON line: tokens/s, MFU, step time (median of the steps after the first 5), memory, and
+`shardtrain plan`'s report of the same compiled step (`planned_*`: its memory and roofline step time),
+so that measured and planned sit side by side (bench/README.md, GPU).
 """
 
 import argparse
@@ -18,7 +20,7 @@ import jax
 import numpy as np
 
 from shardtrain import config, mesh as mesh_lib, step
-from shardtrain.plan import chips
+from shardtrain.plan import chips, planner
 
 ONE_B = ["model.vocab_size=32768", "model.d_model=2048", "model.n_layers=18", "model.n_heads=16",
          "model.n_kv_heads=8", "model.d_ff=7168", "data.seq_len=2048", "train.global_batch_size=8",
@@ -57,13 +59,19 @@ def main(argv=None):
     chip = chips.for_device_kind(device.device_kind)
     flops = prog.flops_per_token * tokens_per_s
     mem = compiled.memory_analysis()
+    plan = planner.report(prog, compiled, chip or chips.CHIPS["cpu"], compile_s)
     print(json.dumps({
         "device": device.device_kind, "params_b": round(n_params / 1e9, 3), "attention": cfg.model.attention,
         "seq_len": cfg.data.seq_len, "batch": cfg.train.global_batch_size, "compile_s": round(compile_s, 1),
         "step_s": round(step_s, 4), "tokens_per_s": round(tokens_per_s),
         "mfu": round(flops / chip.peak_flops, 3) if chip else None,
         "last_loss": round(float(m["loss"]), 3),
-        "temp_gib": round(mem.temp_size_in_bytes / 2 ** 30, 2) if mem else None}))
+        "temp_gib": round(mem.temp_size_in_bytes / 2 ** 30, 2) if mem else None,
+        "planned_total_gib": round(plan["memory_per_device_bytes"]["total"] / 2 ** 30, 2),
+        "planned_step_s": round(plan["estimate"]["step_time_s"], 4),
+        "planned_mfu": round(plan["estimate"]["mfu"], 3),
+        "planned_bottleneck": plan["estimate"]["bottleneck"],
+        "jax": jax.__version__}))
 
 
 if __name__ == "__main__":

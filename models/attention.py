@@ -21,7 +21,7 @@ document; None means one document per row. `window` W (sliding-window attention,
   and kv-head axes. TPU (tests run it with `interpret=True` on CPU).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (flash attention; a window is
   cuDNN's sliding_window_length W). NVIDIA GPU.
-- `auto`: splash on TPU, cudnn on GPU, xla on CPU.
+- `auto`: splash on TPU, cudnn on GPU (chunked for float32), xla on CPU.
 - ring (context parallelism): when the trainer splits the sequence over devices
   (`constrain.size("seq") > 1`), every implementation runs as ring attention (below); `xla`
   computes each ring step's block whole, the others in chunks like `chunked`.
@@ -44,6 +44,8 @@ from models import no_constraint
 
 IMPLS = ("auto", "xla", "chunked", "splash", "cudnn")
 CHUNK = 512
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+"""What cuDNN's fused attention takes; `auto` on a GPU runs `chunked` for other compute dtypes."""
 """Query / key chunk of the `chunked` implementation (the whole sequence when shorter)."""
 
 
@@ -67,6 +69,8 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
     `constrain.platform` (the mesh's devices: `tpu` when compiling for a TPU topology on a CPU
     host) or else the default backend; splash off TPU runs interpreted (CPU tests)."""
     platform = getattr(constrain, "platform", None) or jax.default_backend()
+    if impl == "auto" and resolve(impl, platform) == "cudnn" and q_bthe.dtype not in CUDNN_DTYPES:
+        impl = "chunked"  # cuDNN's fused attention takes half-precision inputs only
     impl = resolve(impl, platform)
     if constrain is not None and constrain.size("seq") > 1:
         return ring(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, constrain=constrain,

@@ -23,19 +23,19 @@ def simulated_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def skip_absent_tpu() -> None:
-    """With libtpu installed (the `tpu` extra, for planning) but no TPU here, jax would try to start a
-    TPU backend, print libtpu's warnings, and hold its lockfile so that compiling for a TPU topology
-    fails; ask for the CPU instead. Must run before jax is imported; JAX_PLATFORMS set by the user wins,
-    and machines with a TPU or a CUDA plugin are left alone."""
+def skip_absent_accelerators() -> None:
+    """With libtpu or jax's CUDA plugin installed (the `tpu` / `gpu` extras, for planning) but no TPU or
+    GPU here, jax would try to start their backends and print tracebacks (the CUDA plugin's cuInit
+    check) and libtpu's warnings, and libtpu would hold its lockfile so that compiling for a TPU topology
+    fails; ask for the CPU instead (compile-only TPU and GPU devices still work). Must run before jax is
+    imported; JAX_PLATFORMS set by the user wins, and machines with a TPU or a GPU are left alone."""
     import importlib.util
 
     from shardtrain.plan import topology
-    if "JAX_PLATFORMS" in os.environ or topology.tpu_present() or importlib.util.find_spec("libtpu") is None:
+    if "JAX_PLATFORMS" in os.environ or topology.tpu_present() or topology.gpu_present():
         return
-    if importlib.util.find_spec("jax_cuda12_plugin") or importlib.util.find_spec("jax_cuda13_plugin"):
-        return
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    if importlib.util.find_spec("libtpu") or topology.cuda_plugin_installed():
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def prepare_dir(path: str, field_name: str) -> None:
@@ -285,7 +285,7 @@ def main(argv=None) -> None:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    skip_absent_tpu()
+    skip_absent_accelerators()
     try:
         code = args.func(args)
     except config_lib.ConfigError as e:  # in a run of several processes, leaving_on_error reports it

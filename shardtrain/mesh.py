@@ -30,6 +30,19 @@ def resolve_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
     return sizes
 
 
+def granule(device) -> int:
+    """What the `mesh.dcn` axes run across: a TPU's slice, any other device's host (GPU node)."""
+    if device.platform == "tpu":
+        return getattr(device, "slice_index", device.process_index)
+    return device.process_index
+
+
+def cross_granule_axes(mesh: Mesh) -> set[str]:
+    """The mesh axes along which devices sit in different slices / hosts (costed at DCN bandwidth)."""
+    grid = np.vectorize(granule, otypes=[int])(mesh.devices)
+    return {a for i, a in enumerate(mesh.axis_names) if grid.shape[i] > 1 and (np.diff(grid, axis=i) != 0).any()}
+
+
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """Builds the mesh over `devices` (default: all devices of all processes), axes in MESH_AXES
     order with Auto axis types (classic GSPMD: jit shardings + sharding constraints)."""
@@ -37,14 +50,14 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     sizes = resolve_sizes(cfg, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
     dcn = tuple(getattr(cfg.dcn, a) for a in MESH_AXES)
-    n_granules = len({getattr(d, "slice_index", d.process_index) for d in devices})
+    n_granules = len({granule(d) for d in devices})
     if math.prod(dcn) > 1 and n_granules > 1:
         if math.prod(dcn) != n_granules:
             raise ConfigError(f"mesh.dcn: product {math.prod(dcn)} must equal the number of slices/hosts "
                               f"({n_granules})")
         ici = tuple(s // d for s, d in zip(shape, dcn))
-        grid = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, process_is_granule=not hasattr(devices[0], "slice_index"))
+        by_process = devices[0].platform != "tpu" or not hasattr(devices[0], "slice_index")
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=by_process)
     else:
         # One granule (or simulated devices): a plain mesh of the combined shape.
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True) \

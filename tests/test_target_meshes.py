@@ -20,6 +20,8 @@ TARGETS = {  # config: (devices, devices per host, slices/hosts joined over DCN)
     "llama3_8b_v5p_128": (128, 4, 1),
     "llama3_70b_v5p_512": (512, 4, 1),
     "llama3_8b_gpu_8": (8, 8, 1),
+    "llama3_70b_gpu_64": (64, 8, 8),
+    "mixtral_8x7b_gpu_32": (32, 8, 4),
     "mixtral_8x7b_v5p_128": (128, 4, 1),
 }
 

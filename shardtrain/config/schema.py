@@ -375,12 +375,15 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class HardwareConfig:
     """The hardware a config is made for. `shardtrain plan` plans for it when no --chip / --topology
-    is given: for a TPU topology with the TPU compiler itself (libtpu), else on the devices present."""
+    is given: for a TPU topology with the TPU compiler itself (libtpu), for GPUs with XLA:GPU (compile-only
+    without GPUs: the `gpu` extra), else on the devices present."""
 
     chip: Optional[str] = None
-    """A chip of shardtrain/plan/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, cpu); None: the devices present."""
+    """A chip of shardtrain/plan/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, b200, cpu); None: the devices
+    present."""
     topology: Optional[str] = None
-    """TPU chips per dimension of one slice, e.g. "16x16" (v5e-256) or "4x4x8" (v5p-256); None for GPUs and cpu."""
+    """TPU chips per dimension of one slice, e.g. "16x16" (v5e-256) or "4x4x8" (v5p-256); for GPUs NODESxGPUS,
+    e.g. "2x8" (default: one node of the mesh's GPUs, or mesh.dcn's product of nodes); None for cpu."""
     slices: int = 1
     """TPU slices of `topology` joined over DCN (multi-slice); the product of mesh.dcn equals it."""
 

@@ -41,8 +41,12 @@ def validate(cfg: RunConfig) -> None:
     validate_model(cfg.model)
     validate_lora(cfg.model, cfg.train.comm)
     validate_run_dir(cfg.run_dir)
-    validate_hardware(cfg)
+    validate_hardware(cfg, with_mesh=False)
     validate_rules(cfg.rules)
+    if cfg.model.attention == "cudnn" and cfg.train.compute_dtype != "bfloat16":
+        raise ConfigError(f"model.attention=cudnn: cuDNN's fused attention takes bfloat16, and train.compute_dtype "
+                          f"is {cfg.train.compute_dtype}; set train.compute_dtype=bfloat16, or model.attention=auto "
+                          "(chunked attention in float32)")
 
 
 def at_least_one(named_values) -> None:
@@ -154,7 +158,7 @@ def validate_moe(e: MoeConfig) -> None:
 
 def validate_lora(m: ModelConfig, comm: CommConfig) -> None:
     # Imported here, not at the top: the CLI imports this package before it picks jax's platform
-    # (cli.skip_absent_tpu), and importing models imports jax.
+    # (cli.skip_absent_accelerators), and importing models imports jax.
     from models.gpt import LORA_TARGETS
 
     lora = m.lora
@@ -180,7 +184,9 @@ def validate_run_dir(run_dir: str | None) -> None:
                           "checkpoints on GCS with checkpoint.directory=gs://BUCKET/PATH")
 
 
-def validate_hardware(cfg: RunConfig) -> None:
+def validate_hardware(cfg: RunConfig, with_mesh: bool = True) -> None:
+    """The hardware section, and (with_mesh) mesh.dcn against its slices or nodes: `plan` checks that
+    once its flags (--chip, --topology, --slices) have replaced the config's."""
     from shardtrain.plan.chips import CHIPS  # figures only: imports nothing from shardtrain
 
     hw = cfg.hardware
@@ -194,13 +200,26 @@ def validate_hardware(cfg: RunConfig) -> None:
         if hw.slices > 1:
             raise ConfigError("hardware.slices > 1 needs hardware.topology (the chips of one slice, e.g. 4x4x8)")
         return
-    if hw.chip is None or CHIPS[hw.chip].tpu_name is None:
-        raise ConfigError(f"hardware.topology={hw.topology}: needs hardware.chip to name a TPU (v4, v5e, v5p, v6e)")
+    chip = CHIPS.get(hw.chip)
+    if chip is None or (chip.tpu_name is None and chip.gpu is None):
+        raise ConfigError(f"hardware.topology={hw.topology}: needs hardware.chip to name a TPU (v4, v5e, v5p, v6e) "
+                          "or a GPU (a100, h100, h200, b200)")
     dims = hw.topology.split("x")
+    if chip.gpu is not None:
+        if len(dims) != 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise ConfigError(f"hardware.topology={hw.topology!r}: a GPU topology is NODESxGPUS, e.g. 1x8 (one node "
+                              "of 8 GPUs) or 2x8")
+        if hw.slices != 1:
+            raise ConfigError("hardware.slices: TPU slices only; GPU nodes are the first number of hardware.topology")
+        nodes, dcn = int(dims[0]), math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
+        if with_mesh and dcn > 1 and dcn != nodes:
+            raise ConfigError(f"mesh.dcn: its product {dcn} must equal the {nodes} node(s) of hardware.topology="
+                              f"{hw.topology} (the DCN axes run across the nodes)")
+        return
     if not 2 <= len(dims) <= 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
         raise ConfigError(f"hardware.topology={hw.topology!r}: expected chips per dimension, e.g. 16x16 or 4x4x8")
     dcn = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
-    if dcn > 1 and dcn != hw.slices:
+    if with_mesh and dcn > 1 and dcn != hw.slices:
         raise ConfigError(f"mesh.dcn: its product {dcn} must equal hardware.slices={hw.slices} "
                           "(the DCN axes run across the slices)")
 

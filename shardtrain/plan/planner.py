@@ -8,11 +8,17 @@ and any other state); temp is XLA's temporary buffer size; total = arguments + t
 do not reuse a donated input. Collectives are read from the optimized HLO (`plan/hlo/collectives.py`
 documents the byte conventions), which is parsed once per report. FLOPs and bytes accessed per device
 come from `compiled.cost_analysis()`, which counts a while loop's body once, plus the loops' remaining
-iterations (`hlo.loop_repeats_cost`: a pipeline schedule, gradient accumulation, a rolled scan).
+iterations (`hlo.loop_repeats_cost`: a pipeline schedule, gradient accumulation, a rolled scan); where
+the compiler gives no cost analysis (XLA:GPU compiling for GPUs that are not here), and on GPUs
+(whose cost analysis counts 2.4x the bytes a step moves: bench/README.md, GPU), all of them come from
+the HLO (`hlo.program_cost`).
+
+The compiler is the target's own: the TPU compiler for a TPU topology, XLA:GPU for GPUs (compile-only
+devices of `topology.gpu_devices` when no GPU is here), else the devices present.
 
 Roofline estimate per step: compute = FLOPs per device / peak FLOP/s, memory = bytes accessed /
 HBM bandwidth, communication = ring traffic of every collective / the bandwidth of its axes (DCN
-when an axis crosses slices, else ICI); step time = max(compute, memory) + communication (no
+when an axis crosses slices or GPU nodes, else ICI / NVLink); step time = max(compute, memory) + communication (no
 overlap assumed: an upper bound on TPUs, which overlap some collectives); the bottleneck is the
 largest of the three. MFU = model FLOPs (6N + attention per token) / (step time x peak x devices).
 """
@@ -58,6 +64,11 @@ def per_device(chip: chips_lib.Chip, n_devices: int) -> chips_lib.Chip:
                                dcn_bandwidth=chip.dcn_bandwidth / n_devices)
 
 
+def gpus_present(n: int) -> bool:
+    """Whether `n` real GPUs are here (a GPU plan then compiles on them)."""
+    return topology.gpu_present() and len(jax.devices()) >= n and jax.devices()[0].platform == "gpu"
+
+
 def plan_devices(n: int) -> list:
     """`n` devices: the real ones if there are enough, else simulated CPU devices."""
     for devices in (jax.devices(), jax.devices("cpu")):
@@ -96,24 +107,30 @@ def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], ch
             "comm_s": comm_s, "chip": chip.name}
 
 
+def ways(mesh, axes) -> int:
+    """Devices along one PartitionSpec entry (None, an axis name or a tuple of them)."""
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(int(mesh.shape[a]) for a in axes)
+
+
 def attention_scores_bytes(cfg: RunConfig, mesh) -> int:
     """Per device, one layer's materialised f32 attention scores (rows x heads x T x T x 4): the largest
-    temporary of XLA's attention, checked by hand where no compiler of the target is at hand (GPUs)."""
-    ways = {a: int(s) for a, s in mesh.shape.items()}
-    batch_axes = sharding.spec_for(("batch",), cfg.rules, mesh)[0] or ()
-    head_axes = sharding.spec_for(("heads",), cfg.rules, mesh)[0] or ()
-    rows = cfg.train.global_batch_size // cfg.train.grad_accum_steps // math.prod(
-        ways[a] for a in ((batch_axes,) if isinstance(batch_axes, str) else batch_axes))
-    heads = cfg.model.n_heads // math.prod(ways[a] for a in ((head_axes,) if isinstance(head_axes, str) else head_axes))
+    temporary of XLA's attention, checked by hand where the target's compiler is not at hand."""
+    rows = cfg.train.global_batch_size // cfg.train.grad_accum_steps // ways(
+        mesh, sharding.spec_for(("batch",), cfg.rules, mesh)[0])
+    heads = cfg.model.n_heads // ways(mesh, sharding.spec_for(("heads",), cfg.rules, mesh)[0])
     return rows * heads * cfg.data.seq_len ** 2 * 4
 
 
-def compiler_note(platform: str, chip: chips_lib.Chip) -> str:
+def compiler_note(platform: str, chip: chips_lib.Chip, compile_only: bool) -> str:
     """Which compiler's numbers these are, and what they mean for the chip planned for."""
     if platform == "tpu":
         return "TPU compiler (libtpu): memory, collectives and cost are the TPU's own"
-    if platform == "gpu" or chip.host_shared:
-        return f"{platform.upper()} compiler on the devices present"
+    if platform == "gpu":
+        where = f"compile-only {chip.name} devices (no GPU needed)" if compile_only else "the GPUs present"
+        return f"XLA:GPU compiler for {where}: memory and collectives are the GPU program's own"
+    if chip.host_shared:
+        return "CPU compiler on the devices present"
     return (f"CPU compiler standing in for {chip.name}: memory is an upper bound (the CPU compiler keeps more "
             f"temporaries than a GPU's fusions and attention kernels); FLOPs and collectives are the program's")
 
@@ -125,6 +142,19 @@ def comm_mode(prog: step_lib.Program) -> dict | None:
     t = prog.cfg.train.comm
     return {"grad_reduce_dtype": t.grad_reduce_dtype, "sync": t.sync,
             "traffic_bytes_per_step": {",".join(a): b for a, b in comm.bytes_per_step(prog).items()}}
+
+
+def attention_kernel(cfg: RunConfig, mesh, text: str, platform: str) -> str:
+    """The attention the compiled program runs: a kernel named in it (cuDNN's fused attention, splash),
+    else the XLA implementation the model chose (`ring` when the sequence is split over devices)."""
+    if "__cudnn$fmha" in text:
+        return "cudnn"
+    if "splash" in text and "tpu_custom_call" in text:
+        return "splash"
+    if ways(mesh, sharding.spec_for(("seq",), cfg.rules, mesh)[0]) > 1:
+        return "ring"
+    from models import attention
+    return attention.resolve(cfg.model.attention, platform)
 
 
 def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: float = 0.0) -> dict:
@@ -140,13 +170,16 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     platform = mesh.devices.flat[0].platform
-    optimal_s = cost.get("optimal_seconds")  # the TPU cost model's step time (its loop bodies counted once)
-    module = hlo.parse_module(compiled.as_text())
+    text = compiled.as_text()
+    module = hlo.parse_module(text)
     loop_flops, loop_bytes = hlo.loop_repeats_cost(module)
+    if cost is None or platform == "gpu":  # XLA:GPU: no cost analysis compile-only, and on GPUs its bytes
+        cost, (loop_flops, loop_bytes) = {}, hlo.program_cost(module)  # count fusions' operands whole: the HLO's
+    optimal_s = cost.get("optimal_seconds")  # the TPU cost model's step time (its loop bodies counted once)
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
     bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
     colls = hlo.collectives(module, dict(mesh.shape))
-    dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1}
+    dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1} | mesh_lib.cross_granule_axes(mesh)
     if platform == "tpu" and dcn_axes:  # multi-slice: libtpu's cross-slice reductions
         slices = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
         colls += hlo.dcn_reductions(module, tuple(a for a in MESH_AXES if a in dcn_axes), slices)
@@ -154,7 +187,9 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     flops_token = prog.flops_per_token
     return {
         "config": cfg.name, "model": cfg.model.name, "devices": n, "chip": chip.name,
-        "compiler": platform, "compiler_note": compiler_note(platform, chip), "topology": topology_name(mesh),
+        "compiler": platform, "compiler_note": compiler_note(platform, chip, compile_only(mesh)),
+        "topology": topology_name(mesh), "attention_kernel": attention_kernel(cfg, mesh, text, platform),
+        "dcn_axes": sorted(dcn_axes),
         "mesh": {a: int(s) for a, s in mesh.shape.items()},
         "params": {"count": n_params,
                    "bytes": sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))},
@@ -188,13 +223,21 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     }
 
 
-def topology_name(mesh) -> str | None:
-    """"v5e 16x16" / "v5p 4x4x8 x 2 slices" for a mesh of TPU devices, else None."""
+def compile_only(mesh) -> bool:
+    """Whether the mesh's devices are descriptions to compile for (jax.experimental.topologies)."""
     d = mesh.devices.flat[0]
-    if d.platform != "tpu":
+    return d.platform != jax.default_backend() or d not in jax.devices()
+
+
+def topology_name(mesh) -> str | None:
+    """"TPU v5e, 256 chips" / "... in 2 slices" for TPUs, "NVIDIA H100 80GB HBM3, 16 GPUs in 2 nodes" for
+    GPUs, else None."""
+    d = mesh.devices.flat[0]
+    if d.platform not in ("tpu", "gpu"):
         return None
-    slices = len({getattr(x, "slice_index", 0) or 0 for x in mesh.devices.flat})
-    return f"{d.device_kind}, {mesh.devices.size} chips" + (f" in {slices} slices" if slices > 1 else "")
+    granules = len({mesh_lib.granule(x) for x in mesh.devices.flat})
+    unit, group = ("chips", "slices") if d.platform == "tpu" else ("GPUs", "nodes")
+    return f"{d.device_kind}, {mesh.devices.size} {unit}" + (f" in {granules} {group}" if granules > 1 else "")
 
 
 class _CompileCacheOff:
@@ -331,7 +374,8 @@ def hardware(cfg: RunConfig, chip: str | None = None, topology_flag: str | None 
     hw = cfg.hardware
     same_chip = chip in (None, hw.chip)
     if (topology_flag or slices) and chip is None and hw.chip is None:
-        raise ConfigError("--topology needs the chip it is a topology of: --chip v5e (or hardware.chip in the config)")
+        raise ConfigError("--topology needs the chip it is a topology of: --chip v5e or --chip h100 (or hardware.chip "
+                          "in the config)")
     out = HardwareConfig(chip=chip or hw.chip,
                          topology=topology_flag or (hw.topology if same_chip else None),
                          slices=slices or (hw.slices if same_chip and not topology_flag else 1))
@@ -347,6 +391,12 @@ def target(cfg: RunConfig, n_devices: int, requested: int | None = None, chip: s
     """(devices, chip) to plan on: a TPU topology's compile-only devices, else `n_devices` real or
     simulated ones; `requested` is --devices as given (checked against a topology's chip count)."""
     hw = hardware(cfg, chip, topology_flag, slices)
+    gpu = hw.chip is not None and chips_lib.CHIPS[hw.chip].gpu is not None
+    if hw.topology is None and gpu and not gpus_present(n_devices):
+        nodes = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
+        if n_devices % nodes:
+            raise ConfigError(f"--devices {n_devices}: not a whole number of GPUs on each of mesh.dcn's {nodes} nodes")
+        hw = dataclasses.replace(hw, topology=f"{nodes}x{n_devices // nodes}")
     if hw.topology is None:
         devices = plan_devices(n_devices)
     else:

@@ -68,9 +68,9 @@ DCN_AXES = ("data", "pipeline", "fsdp")
 
 
 def dcn_placements(cfg: RunConfig, devices: list) -> list[dict[str, int] | None]:
-    """How the slices (TPU devices' slice_index) or the config's mesh.dcn granules may split over
-    DCN_AXES; [None] for one slice."""
-    granules = len({getattr(d, "slice_index", 0) for d in devices})
+    """How the slices (TPU) or nodes (GPU) of the devices, or the config's mesh.dcn granules, may split
+    over DCN_AXES; [None] for one slice."""
+    granules = len({mesh_lib.granule(d) for d in devices})
     granules = granules if granules > 1 else math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
     return factorisations(granules, DCN_AXES) if granules > 1 else [None]
 

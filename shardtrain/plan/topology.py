@@ -1,10 +1,17 @@
-"""Abstract TPU devices of a slice topology, for compiling with the real TPU compiler on any machine.
+"""Compile-only devices of a TPU slice or of GPU nodes, for compiling with the target's own compiler
+on any machine.
 
-With libtpu installed (`pip install 'shardtrain[tpu]'`), `jax.experimental.topologies` describes a
-TPU slice without a TPU: its devices are compile-only, so a program lowered on a mesh of them and
-compiled gets the TPU compiler's own memory analysis, collectives and cost model. Nothing runs and
-nothing is allocated. Several slices (multi-slice over DCN) carry a `slice_index` each, which
-`mesh.make_mesh` uses to place the `mesh.dcn` axes across slices.
+`jax.experimental.topologies` describes hardware that is not here: its devices are compile-only, so
+a program lowered on a mesh of them and compiled gets that compiler's own memory analysis and
+collectives. Nothing runs and nothing is allocated.
+
+- TPUs (`pip install 'shardtrain[tpu]'`, libtpu): a slice topology such as "4x4x8"; several slices
+  (multi-slice over DCN) carry a `slice_index` each.
+- NVIDIA GPUs (`pip install 'shardtrain[gpu]'`, jax's CUDA plugin, whose XLA:GPU compiles without a
+  GPU): "NODESxGPUS" nodes of GPUs per node, the chip described by its `GpuTarget`; each node's
+  devices carry its `process_index`.
+
+`mesh.make_mesh` places the `mesh.dcn` axes across slices (TPU) or nodes (GPU).
 """
 
 from __future__ import annotations
@@ -24,6 +31,15 @@ def tpu_present() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+def gpu_present() -> bool:
+    """Whether this machine has NVIDIA GPUs (their device files), without initialising a backend."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def cuda_plugin_installed() -> bool:
+    return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
 def quiet_libtpu() -> None:
     """Without a TPU, libtpu asks the (absent) TPU VM metadata for the accelerator type and worker
     hostnames when it loads and prints warnings; naming them here is harmless: a compile-only
@@ -40,12 +56,21 @@ def chip_count(topology: str, slices: int = 1) -> int:
     return math.prod(int(s) for s in topology.split("x")) * slices
 
 
+def gpu_nodes(topology: str) -> tuple[int, int]:
+    """(nodes, GPUs per node) of a GPU topology "NODESxGPUS"."""
+    nodes, per_node = (int(s) for s in topology.split("x"))
+    return nodes, per_node
+
+
 @functools.cache
 def devices(chip: Chip, topology: str, slices: int = 1) -> tuple:
-    """The compile-only devices of `slices` slices of `topology` chips of `chip` (a TPU)."""
+    """The compile-only devices of `slices` slices of `topology` chips of `chip` (a TPU), or of
+    `topology` = "NODESxGPUS" GPUs of `chip` (a GPU)."""
+    if chip.gpu is not None:
+        return gpu_devices(chip, topology)
     if chip.tpu_name is None:
-        raise ConfigError(f"topology {topology}: chip '{chip.name}' is not a TPU; a topology needs one of v4, v5e, "
-                          "v5p, v6e (GPUs and cpu plan on the devices present)")
+        raise ConfigError(f"topology {topology}: chip '{chip.name}' is neither a TPU nor a GPU; a topology needs "
+                          "one of v4, v5e, v5p, v6e, a100, h100, h200, b200 (cpu plans on the devices present)")
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(f"planning for TPU {chip.name} {topology} compiles with the TPU compiler, which needs "
                           "libtpu: pip install 'shardtrain[tpu]' (or plan on the devices present: omit "
@@ -64,4 +89,17 @@ def devices(chip: Chip, topology: str, slices: int = 1) -> tuple:
     if len(found) != chip_count(topology, slices):
         raise ConfigError(f"hardware.topology={topology}: libtpu made {len(found)} devices, expected "
                           f"{chip_count(topology, slices)}")
+    return tuple(found)
+
+
+def gpu_devices(chip: Chip, topology: str) -> tuple:
+    """Compile-only GPUs of `chip`, "NODESxGPUS" of them, for XLA:GPU (no GPU needed)."""
+    if not cuda_plugin_installed():
+        raise ConfigError(f"planning for {chip.name} GPUs compiles with XLA:GPU, which needs jax's CUDA plugin: "
+                          "pip install 'shardtrain[gpu]' (or plan on the devices present: hardware.chip=cpu)")
+    from jax.experimental import topologies
+
+    nodes, per_node = gpu_nodes(topology)
+    found = topologies.get_topology_desc(platform="cuda", topology=f"1x{nodes}x{per_node}",
+                                         target_config=chip.gpu.target_config(chip.hbm_bandwidth)).devices
     return tuple(found)

@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from shardtrain import config
-from shardtrain.plan import chips, topology
+from shardtrain.plan import chips, planner, topology
 
 
 def test_chip_count_is_the_product_of_the_dimensions_times_the_slices():
@@ -14,13 +14,13 @@ def test_chip_count_is_the_product_of_the_dimensions_times_the_slices():
 
 def test_topology_mistakes_are_one_line_config_errors():
     with pytest.raises(config.ConfigError, match="hardware.topology=16x16: needs hardware.chip to name a TPU"):
-        config.load(None, ["hardware.chip=h100", "hardware.topology=16x16"])
+        config.load(None, ["hardware.chip=cpu", "hardware.topology=16x16"])
     with pytest.raises(config.ConfigError, match="hardware.chip: unknown chip 'v5x'"):
         config.load(None, ["hardware.chip=v5x"])
     with pytest.raises(config.ConfigError, match="expected chips per dimension"):
         config.load(None, ["hardware.chip=v5e", "hardware.topology=16x"])
     with pytest.raises(config.ConfigError, match=r"mesh.dcn: its product 2 must equal hardware.slices=1"):
-        config.load(None, ["hardware.chip=v5p", "hardware.topology=2x2x1", "mesh.dcn.data=2"])
+        planner.hardware(config.load(None, ["hardware.chip=v5p", "hardware.topology=2x2x1", "mesh.dcn.data=2"]))
     with pytest.raises(config.ConfigError, match="libtpu has no v5e topology 'v5e:3x7'"):
         topology.devices(chips.CHIPS["v5e"], "3x7")
 

@@ -2,7 +2,8 @@
 
 - `parse`: the text -> a `Module` of computations and instructions, and its call graph (how many
   times each computation runs: loop trip counts, known or read from the loop condition).
-- `cost`: the FLOPs and bytes of the loop iterations that `cost_analysis()` counts once.
+- `cost`: the FLOPs and bytes of the loop iterations that `cost_analysis()` counts once, or of the
+  whole program where the compiler gives no cost analysis.
 - `collectives`: every collective with its kind, bytes, ring traffic and the mesh axes it spans.
 
 Parse once and hand the Module to each reader (`shardtrain plan` does); each reader also takes the
@@ -28,9 +29,10 @@ from shardtrain.plan.hlo.collectives import (
                                              summarize,
                                              traffic_by_axes,
 )
-from shardtrain.plan.hlo.cost import loop_repeats_cost
+from shardtrain.plan.hlo.cost import loop_repeats_cost, program_cost
 from shardtrain.plan.hlo.parse import DTYPE_BYTES, Instr, Module, arrays, loop_trip_counts, multipliers, parse_module
 
 __all__ = ["DTYPE_BYTES", "KINDS", "Collective", "Instr", "Module", "arrays", "collectives", "conditional_branches",
            "dcn_reductions", "device_groups", "group_axes", "loop_repeats_cost", "loop_trip_counts",
-           "lowered_collectives", "multipliers", "parse_module", "ring_factor", "summarize", "traffic_by_axes"]
+           "lowered_collectives", "multipliers", "parse_module", "program_cost", "ring_factor", "summarize",
+           "traffic_by_axes"]

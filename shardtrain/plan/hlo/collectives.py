@@ -97,8 +97,10 @@ def _parts(ins: Instr, kind: str, n: int, comp: list[Instr], tainted: set[str]) 
     """kind -> the (dtype, bytes) arrays of one collective instruction that do that kind's work: an
     all-reduce's tuple elements that only this device's slice is taken of are a reduce-scatter."""
     sizes = arrays(ins.shape)
-    if ins.opcode == "all-gather-start":
+    if ins.opcode in ("all-gather-start", "all-to-all-start"):  # (operands, results): the results
         sizes = sizes[len(sizes) // 2:]
+    elif ins.opcode == "reduce-scatter-start":  # (operands, results) on GPUs: the operands
+        sizes = sizes[:len(sizes) // 2]
     elif ins.opcode == "collective-permute-start":
         sizes = sizes[:1]
     elif kind == "reduce-scatter":

@@ -4,7 +4,11 @@ gradient accumulation). This module counts each computation's own instructions t
 analysis does and multiplies them by the loop iterations cost analysis skipped (trip count - 1 per
 loop level, from `parse.multipliers`).
 
-The counting rules (`_own_cost`): 2mnk per dot; per convolution, 2 x batch x output features x input
+`program_cost` counts the whole program the same way, for compilers that give no cost analysis
+(XLA:GPU compiling for GPUs that are not here).
+
+The counting rules (`_own_cost`): 2mnk per dot and per cuBLAS GEMM custom call (XLA:GPU's dots); per
+convolution, 2 x batch x output features x input
 features x the (output, kernel) position pairs inside the input (the TPU compiler writes dots as
 convolutions); one FLOP per element of element-wise ops and reduce inputs (transcendentals are not
 FLOPs there). Bytes are what each instruction reads and writes; a fused computation works in
@@ -43,16 +47,27 @@ def loop_repeats_cost(program: str | Module) -> tuple[float, float]:
     return flops, nbytes
 
 
+def program_cost(program: str | Module) -> tuple[float, float]:
+    """(FLOPs, bytes) per device of the whole program: every computation's own cost times the runs
+    its callers and loops give it."""
+    module = as_module(program)
+    runs = multipliers(module)
+    fused = {fusion_callee(ins) for comp in module.computations.values() for ins in comp if ins.opcode == "fusion"}
+    flops = nbytes = 0.0
+    for name, comp in module.computations.items():
+        if runs[name] > 0:
+            f, b = _own_cost(comp, module, name in fused)
+            flops, nbytes = flops + runs[name] * f, nbytes + runs[name] * b
+    return flops, nbytes
+
+
 def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, float]:
     """(FLOPs, bytes read + written) of a computation's own instructions (see the module doc)."""
     shapes = {i.name: i.shape for i in comp}
     flops = nbytes = 0.0
     for ins in comp:
-        if ins.opcode == "dot":
-            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line).group(1)
-            lhs = dims(shapes.get(ins.operands[0], ""))
-            k = math.prod(lhs[int(d)] for d in contracting.split(",") if d) if lhs else 0
-            flops += 2 * math.prod(dims(ins.shape)) * k
+        if ins.opcode == "dot" or (ins.opcode == "custom-call" and "__cublas$" in ins.line):
+            flops += _dot_flops(ins, shapes)
         elif ins.opcode == "convolution":
             flops += _convolution_flops(ins, shapes)
         elif ins.opcode in _ELEMENTWISE:
@@ -71,6 +86,18 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
         else:
             nbytes += size(ins.shape) + sum(size(shapes.get(o, "")) for o in ins.operands)
     return flops, nbytes
+
+
+def _dot_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """2 x output elements x contracted size, for a dot or a cuBLAS GEMM custom call (whose result is
+    a (product, workspace) tuple and whose dimension numbers are in its backend config)."""
+    found = (re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line)
+             or re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.line))
+    if not found:
+        return 0.0
+    lhs = dims(shapes.get(ins.operands[0], ""))
+    k = math.prod(lhs[int(d.strip('" '))] for d in found.group(1).split(",") if d.strip('" ')) if lhs else 0
+    return 2.0 * math.prod(dims(ins.shape)) * k
 
 
 def _fusion_bytes(ins: Instr, shapes: dict[str, str], body: list[Instr]) -> float:

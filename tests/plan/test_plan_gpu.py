@@ -1,0 +1,124 @@
+"""`shardtrain plan` for NVIDIA GPUs with XLA:GPU, on compile-only devices (no GPU here; the `gpu`
+extra's CUDA plugin): per-GPU argument bytes against the analytical shard bytes, FSDP's collectives,
+cuDNN fused attention read from the program, two nodes over DCN, and the one-line errors."""
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TINY
+from shardtrain import config, mesh as mesh_lib, step
+from shardtrain.plan import chips, hlo, planner, topology
+
+pytestmark = pytest.mark.skipif(not topology.cuda_plugin_installed(), reason="the gpu extra is not installed")
+
+D = 512
+SMALL = ["model.name=mlp", "model.n_layers=1", f"model.d_model={D}", f"model.d_ff={D}", f"model.vocab_size={D}",
+         "data.seq_len=127", "train.global_batch_size=32", "data.source=synthetic"]
+PARAM_BYTES = 4 * D * D * 4  # embedding, w_in, w_out, unembed; float32
+MESHES = {"data": (8, 1, 1), "fsdp": (1, 8, 1), "tensor": (1, 1, 8)}
+H100 = chips.CHIPS["h100"]
+
+
+@functools.cache
+def planned(mesh_name: str) -> dict:
+    d, f, t = MESHES[mesh_name]
+    cfg = config.load(None, [*SMALL, "hardware.chip=h100", f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}"])
+    return planner.plan_one(cfg, *planner.target(cfg, 8))
+
+
+def test_gpu_plan_compiles_with_xla_gpu_for_the_configs_chip():
+    r = planned("fsdp")
+    assert r["compiler"] == "gpu" and r["chip"] == "h100" and r["devices"] == 8
+    assert r["topology"] == "NVIDIA H100 80GB HBM3, 8 GPUs" and "XLA:GPU" in r["compiler_note"]
+    assert r["memory_limit_bytes"] == 80e9 and r["fits"] and 0 < r["estimate"]["mfu"] <= 1
+
+
+def test_gpu_argument_bytes_are_the_analytical_shard_bytes():
+    for name, ways in (("data", 1), ("fsdp", 8), ("tensor", 8)):
+        m, args = planned(name)["memory_per_device_bytes"], planned(name)["compiled_memory_bytes"]["arguments"]
+        assert m["params"] == PARAM_BYTES // ways
+        assert m["batch"] == 32 * 128 * 4 // (1 if name == "tensor" else 8)
+        # params and AdamW's two moments, the batch, and three int32 counters (step, Adam's, the schedule's)
+        assert args == 3 * m["params"] + m["batch"] + 3 * 4
+
+
+def test_gpu_fsdp_gathers_weights_and_reduce_scatters_gradients():
+    c = planned("fsdp")["collectives"]
+    assert {a for row in c.values() for a in row["axes"]} == {"fsdp"}
+    # the three matrices' gradients; the embedding's arrives in an all-to-all (its vocab-parallel lookup)
+    assert c["reduce-scatter"]["bytes"] == 3 * PARAM_BYTES // 4 and "all-to-all" in c
+    assert PARAM_BYTES <= c["all-gather"]["bytes"] <= 2 * PARAM_BYTES
+    d = planned("data")["collectives"]
+    assert PARAM_BYTES <= d["all-reduce"]["bytes"] <= PARAM_BYTES + 64
+
+
+def test_cudnn_fused_attention_is_read_from_the_gpu_program():
+    cfg = config.load(None, [*TINY, "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2", "data.seq_len=128",
+                             "model.attention=auto", "train.compute_dtype=bfloat16", "mesh.fsdp=8",
+                             "hardware.chip=h100"])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, planner.target(cfg, 8)[0]))
+    compiled, seconds = planner.compile_program(prog)
+    assert "__cudnn$fmha" in compiled.as_text()
+    r = planner.report(prog, compiled, H100, seconds)
+    assert r["attention_kernel"] == "cudnn"
+    assert r["flops_per_device"] > 0 and r["bytes_accessed_per_device"] > 0  # from the HLO: no cost analysis
+
+
+def test_two_nodes_put_the_dcn_axis_across_nodes_at_inter_node_bandwidth():
+    cfg = config.load(None, [*SMALL, "data.seq_len=128", "mesh.fsdp=8", "mesh.dcn.data=2", "hardware.chip=h100"])
+    devices, chip = planner.target(cfg, 16, topology_flag="2x8")
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    assert mesh_lib.cross_granule_axes(mesh) == {"data"}
+    prog = step.build(cfg, mesh)
+    compiled, seconds = planner.compile_program(prog)
+    r = planner.report(prog, compiled, chip, seconds)
+    assert r["devices"] == 16 and r["dcn_axes"] == ["data"] and "in 2 nodes" in r["topology"]
+    colls = hlo.collectives(hlo.parse_module(compiled.as_text()), dict(mesh.shape))
+    across = sum(c.traffic_bytes * c.count for c in colls if "data" in c.axes)
+    inside = sum(c.traffic_bytes * c.count for c in colls if "data" not in c.axes)
+    assert across > 0 and inside > 0
+    assert r["estimate"]["comm_s"] == pytest.approx(across / chip.dcn_bandwidth + inside / chip.ici_bandwidth)
+    # every byte over NVLink instead would be faster: the node boundary is what costs
+    nvlink_only = planner.report(prog, compiled, dataclasses.replace(chip, dcn_bandwidth=chip.ici_bandwidth))
+    assert nvlink_only["estimate"]["comm_s"] < r["estimate"]["comm_s"]
+
+
+def test_gpu_topology_and_attention_mistakes_are_one_line_config_errors():
+    with pytest.raises(config.ConfigError, match="model.attention=cudnn: cuDNN's fused attention takes bfloat16"):
+        config.load(None, ["model.attention=cudnn", "train.compute_dtype=float32"])
+    with pytest.raises(config.ConfigError, match="a GPU topology is NODESxGPUS"):
+        config.load(None, ["hardware.chip=h100", "hardware.topology=2x2x2"])
+    cfg = config.load(None, ["hardware.chip=h100", "mesh.dcn.data=2"])
+    with pytest.raises(config.ConfigError, match=r"mesh.dcn: its product 2 must equal the 1 node\(s\)"):
+        planner.target(cfg, 8, topology_flag="1x8")
+
+
+def test_without_the_cuda_plugin_a_gpu_plan_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(topology, "cuda_plugin_installed", lambda: False)
+    with pytest.raises(config.ConfigError, match=r"pip install 'shardtrain\[gpu\]'") as e:
+        topology.devices(chips.CHIPS["a100"], "1x3")
+    assert "\n" not in str(e.value)
+
+
+def test_an_installed_cuda_plugin_without_a_gpu_prints_nothing():
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "from shardtrain import cli; cli.skip_absent_accelerators(); import jax; print(jax.devices()[0].platform)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "cpu\n" and out.stderr == "", out.stderr[-2000:]
+
+
+def test_gpu_search_ranks_the_splits_of_the_nodes_with_xla_gpu(tmp_path, capsys):
+    from shardtrain.plan import search
+    cfg = config.load(None, [*TINY, "model.name=mlp", "mesh.dcn.data=2", "hardware.chip=h100",
+                             f"run_dir={tmp_path / 'run'}"])
+    assert search.main(cfg, *planner.target(cfg, 2, topology_flag="2x1"), as_json=True) == 0
+    result = json.loads(capsys.readouterr().out)
+    tried = [r["dcn"] for r in result["rows"]]
+    assert {tuple(d[a] for a in ("data", "pipeline", "fsdp")) for d in tried} == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
+    assert {r["report"]["compiler"] for r in result["rows"]} == {"gpu"}
