@@ -10,16 +10,16 @@ documents the byte conventions), which is parsed once per report. FLOPs and byte
 come from `compiled.cost_analysis()`, which counts a while loop's body once, plus the loops' remaining
 iterations (`hlo.loop_repeats_cost`: a pipeline schedule, gradient accumulation, a rolled scan); where
 the compiler gives no cost analysis (XLA:GPU compiling for GPUs that are not here), and on GPUs
-(whose cost analysis counts 2.4x the bytes a step moves: bench/README.md, GPU), all of them come from
-the HLO (`hlo.program_cost`).
+(whose cost analysis counts more bytes than a measured step could move: bench/README.md, GPU), all of
+them come from the HLO (`hlo.program_cost`).
 
 The compiler is the target's own: the TPU compiler for a TPU topology, XLA:GPU for GPUs (compile-only
 devices of `topology.gpu_devices` when no GPU is here), else the devices present.
 
 Roofline estimate per step: compute = FLOPs per device / peak FLOP/s, memory = bytes accessed /
 HBM bandwidth, communication = ring traffic of every collective / the bandwidth of its axes (DCN
-when an axis crosses slices or GPU nodes, else ICI / NVLink); step time = max(compute, memory) + communication (no
-overlap assumed: an upper bound on TPUs, which overlap some collectives); the bottleneck is the
+when an axis crosses slices or GPU nodes, else ICI / NVLink); step time = max(compute, memory) +
+communication (no overlap assumed: an upper bound on TPUs, which overlap some collectives); the bottleneck is the
 largest of the three. MFU = model FLOPs (6N + attention per token) / (step time x peak x devices).
 """
 
@@ -173,8 +173,8 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     text = compiled.as_text()
     module = hlo.parse_module(text)
     loop_flops, loop_bytes = hlo.loop_repeats_cost(module)
-    if cost is None or platform == "gpu":  # XLA:GPU: no cost analysis compile-only, and on GPUs its bytes
-        cost, (loop_flops, loop_bytes) = {}, hlo.program_cost(module)  # count fusions' operands whole: the HLO's
+    if cost is None or platform == "gpu":  # XLA:GPU: none compile-only; on GPUs its bytes are too many
+        cost, (loop_flops, loop_bytes) = {}, hlo.program_cost(module)
     optimal_s = cost.get("optimal_seconds")  # the TPU cost model's step time (its loop bodies counted once)
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
     bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
