@@ -53,9 +53,9 @@ W_IN = ("experts", "expert_embed", "mlp")
 W_OUT = ("experts", "mlp", "expert_embed")
 
 
-def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True):
+def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True, quantization="none"):
     def mm(x, w):
-        return dense(x, w, flat=flat)
+        return dense(x, w, flat=flat, quantization=quantization)
     return mm(jax.nn.silu(mm(x_btd, w_gate_df)) * mm(x_btd, w_up_df), w_down_fd)
 
 
@@ -168,9 +168,9 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
 class Moe(nnx.Module):
     """`moe(h_btd) -> (out_btd, aux)`: the MoE MLP of one decoder block."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain, quantization="none"):
         d, f, e = cfg.d_model, cfg.d_ff, cfg.moe.n_experts
-        self.cfg, self.constrain = cfg, constrain
+        self.cfg, self.constrain, self.quantization = cfg, constrain, quantization
         self.router_de = param(rngs, normal(d ** -0.5), (d, e), ("embed", None))
         self.w_gate_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_up_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
@@ -195,7 +195,7 @@ class Moe(nnx.Module):
         out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
         if cfg.moe.n_shared_experts:
             shared = (self.shared_w_gate_df[...], self.shared_w_up_df[...], self.shared_w_down_fd[...])
-            shared_btd = swiglu(h_btd, *shared, flat)
+            shared_btd = swiglu(h_btd, *shared, flat, self.quantization)
             if cfg.moe.shared_expert_gate:
                 shared_btd = jax.nn.sigmoid(dense(h_btd, self.shared_expert_gate_d1[...], flat=flat)) * shared_btd
             out_btd = out_btd + shared_btd

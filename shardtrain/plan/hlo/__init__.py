@@ -28,9 +28,10 @@ from shardtrain.plan.hlo.collectives import (
                                              summarize,
                                              traffic_by_axes,
 )
-from shardtrain.plan.hlo.cost import loop_repeats_cost
+from shardtrain.plan.hlo.cost import loop_repeats_cost, matmul_flops_by_dtype
 from shardtrain.plan.hlo.parse import DTYPE_BYTES, Instr, Module, arrays, loop_trip_counts, multipliers, parse_module
 
 __all__ = ["DTYPE_BYTES", "KINDS", "Collective", "Instr", "Module", "arrays", "collectives", "conditional_branches",
            "dcn_reductions", "device_groups", "group_axes", "loop_repeats_cost", "loop_trip_counts",
+           "matmul_flops_by_dtype",
            "lowered_collectives", "multipliers", "parse_module", "ring_factor", "summarize", "traffic_by_axes"]

@@ -23,6 +23,7 @@ from shardtrain.plan.hlo.parse import Instr, Module, as_module, dims, fusion_cal
 _NO_MEMORY = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
               "after-all", "partition-id", "replica-id"}
 _SLICES = ("slice", "dynamic-slice")
+_ARRAY_TYPE = re.compile(r"\(?([a-z]+\d*(?:e\d+m\d+\w*)?)\[")
 _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare", "select",
                 "and", "or", "xor", "not", "clamp", "sign", "floor", "ceil", "remainder"}
 
@@ -48,13 +49,8 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
     shapes = {i.name: i.shape for i in comp}
     flops = nbytes = 0.0
     for ins in comp:
-        if ins.opcode == "dot":
-            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line).group(1)
-            lhs = dims(shapes.get(ins.operands[0], ""))
-            k = math.prod(lhs[int(d)] for d in contracting.split(",") if d) if lhs else 0
-            flops += 2 * math.prod(dims(ins.shape)) * k
-        elif ins.opcode == "convolution":
-            flops += _convolution_flops(ins, shapes)
+        if ins.opcode in ("dot", "convolution"):
+            flops += _matmul_flops(ins, shapes)
         elif ins.opcode in _ELEMENTWISE:
             flops += math.prod(dims(ins.shape))
         elif ins.opcode == "reduce":
@@ -71,6 +67,41 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
         else:
             nbytes += size(ins.shape) + sum(size(shapes.get(o, "")) for o in ins.operands)
     return flops, nbytes
+
+
+def matmul_flops_by_dtype(program: str | Module, count: bool = False) -> dict[str, float]:
+    """Matmul FLOPs per device per step by operand type, loop trips counted: every dot, convolution
+    (the TPU compiler's dots) and cuBLAS GEMM custom call, keyed by its operands' HLO type ("bf16",
+    "s8", "f8e4m3fn"; "f8e5m2xf8e4m3fn" when the two differ). The types are the compiled program's
+    own, read from the instructions that define the operands. `count`: how many matmuls run instead."""
+    module = as_module(program)
+    mult = multipliers(module)
+    out: dict[str, float] = defaultdict(float)
+    for name, comp in module.computations.items():
+        shapes = {i.name: i.shape for i in comp}
+        for ins in comp:
+            flops = _matmul_flops(ins, shapes)
+            if flops and mult[name]:
+                types = [_ARRAY_TYPE.match(shapes.get(o, "")) for o in ins.operands[:2]]
+                lhs, rhs = (t.group(1) if t else "?" for t in types)
+                out[lhs if lhs == rhs else f"{lhs}x{rhs}"] += (1 if count else flops) * mult[name]
+    return dict(out)
+
+
+def _matmul_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """FLOPs of a dot (2mnk), a convolution, or a cuBLAS GEMM custom call; 0 for anything else."""
+    if ins.opcode == "convolution":
+        return _convolution_flops(ins, shapes)
+    if ins.opcode == "dot":
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line).group(1).split(",")
+    elif ins.opcode == "custom-call" and "__cublas" in ins.line and len(ins.operands) >= 2:
+        found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.line)
+        contracting = re.findall(r"\d+", found.group(1)) if found else []
+    else:
+        return 0.0
+    lhs = dims(shapes.get(ins.operands[0], ""))
+    k = math.prod(lhs[int(d)] for d in contracting if d) if lhs else 0
+    return 2.0 * math.prod(dims(ins.shape)) * k
 
 
 def _fusion_bytes(ins: Instr, shapes: dict[str, str], body: list[Instr]) -> float:

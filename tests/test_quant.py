@@ -1,0 +1,189 @@
+"""Low-precision matmuls (models/quant.py, train.quantization): the numbers against the float
+matmul within the derived bound, straight-through gradients, sharded = one device, the compiled
+TPU program's s8 matmuls, the GPU's f8 GEMMs, resume across a change, and the planner's roofline."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY
+from models import quant
+from shardtrain import config, mesh as mesh_lib, step
+from shardtrain.config import ConfigError
+from shardtrain.plan import chips, hlo, planner, topology
+
+SHAPES = [((16, 32), (32, 8)), ((2, 8, 64), (64, 48)), ((128, 256), (256, 24))]
+
+
+def operands(x_shape, w_shape, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, x_shape), 0.05 * jax.random.normal(kw, w_shape)
+
+
+def int8_bound(a, b):
+    """|a @ b - dot(a, b, int8)| per output: each element rounds by at most half its scale (absmax
+    / 127 along the contracted axis), so |a_k b_k - a'_k b'_k| <= |a_k| db + |b_k| da + da db."""
+    da = jnp.max(jnp.abs(a), axis=-1, keepdims=True) / 127 / 2
+    db = jnp.max(jnp.abs(b), axis=0, keepdims=True) / 127 / 2
+    return jnp.abs(a).sum(-1, keepdims=True) * db + da * jnp.abs(b).sum(0, keepdims=True) + a.shape[-1] * da * db
+
+
+def fp8_bound(a, b, rel_a=2.0 ** -4, rel_b=2.0 ** -4):
+    """Relative rounding of each element by at most rel (e4m3: 3 mantissa bits; e5m2: 2), plus the
+    smallest normal's absolute error (below it, steps are absolute), both per operand."""
+    return (rel_a + rel_b + rel_a * rel_b) * (jnp.abs(a) @ jnp.abs(b)) + 1e-6
+
+
+@pytest.mark.parametrize("x_shape, w_shape", SHAPES)
+def test_int8_forward_and_gradients_are_within_the_rounding_bound(x_shape, w_shape):
+    x, w = operands(x_shape, w_shape)
+    x2 = x.reshape(-1, x.shape[-1])
+    assert jnp.all(jnp.abs(quant.dot(x, w, "int8") - x @ w).reshape(x2.shape[0], -1) <= int8_bound(x2, w) + 1e-6)
+    # straight-through: the gradients are the float matmul's (g @ w^T, x^T @ g) with rounded operands
+    g = jax.random.normal(jax.random.key(1), (*x_shape[:-1], w_shape[-1]))
+    _, vjp = jax.vjp(lambda x, w: quant.dot(x, w, "int8"), x, w)
+    dx, dw = vjp(g)
+    g2 = g.reshape(-1, g.shape[-1])
+    assert jnp.all(jnp.abs(dx.reshape(x2.shape) - g2 @ w.T) <= int8_bound(g2, w.T) + 1e-6)
+    assert jnp.all(jnp.abs(dw - x2.T @ g2) <= int8_bound(x2.T, g2) + 1e-6)
+
+
+@pytest.mark.parametrize("x_shape, w_shape", SHAPES)
+def test_fp8_forward_and_gradients_are_within_the_rounding_bound(x_shape, w_shape):
+    x, w = operands(x_shape, w_shape)
+    x2 = x.reshape(-1, x.shape[-1])
+    assert jnp.all(jnp.abs(quant.dot(x, w, "fp8") - x @ w).reshape(x2.shape[0], -1) <= fp8_bound(x2, w))
+    g = jax.random.normal(jax.random.key(1), (*x_shape[:-1], w_shape[-1]))
+    dx, dw = jax.vjp(lambda x, w: quant.dot(x, w, "fp8"), x, w)[1](g)
+    g2 = g.reshape(-1, g.shape[-1])
+    assert jnp.all(jnp.abs(dx.reshape(x2.shape) - g2 @ w.T) <= fp8_bound(g2, w.T, rel_a=2.0 ** -3))
+    assert jnp.all(jnp.abs(dw - x2.T @ g2) <= fp8_bound(x2.T, g2, rel_b=2.0 ** -3))
+
+
+def test_quantized_operands_are_int8_with_int32_accumulation_forward_and_backward():
+    x, w = operands((16, 32), (32, 8))
+    text = jax.jit(jax.grad(lambda x, w: (quant.dot(x, w, "int8") ** 2).sum(), argnums=(0, 1))).lower(x, w).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 3 and all("tensor<16x32xi8>" in d or "xi8>" in d.split("->")[0] for d in dots)
+    assert all(d.split("->")[-1].strip().endswith("xi32>") for d in dots)
+
+
+def test_unknown_quantization_is_a_config_error():
+    with pytest.raises(ConfigError, match="train.quantization"):
+        config.load(None, [*TINY, "train.quantization=int4"])
+
+
+SHARDED = [*TINY, "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4", "model.d_ff=128",
+           "train.global_batch_size=16", "train.quantization=int8"]
+
+
+def losses_and_grads(cfg, devices=None):
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, prog.abstract_batch().shape, dtype=np.int32)
+    params = prog.init(cfg.train.seed)["params"]
+    losses, grads = prog.loss_and_grads(params, jax.device_put(tokens, prog.batch_sharding))
+    return float(losses["loss"]), jax.tree.map(np.asarray, grads)
+
+
+def test_sharded_int8_loss_and_gradients_equal_one_device():
+    loss1, grads1 = losses_and_grads(config.load(None, SHARDED), jax.devices()[:1])
+    loss8, grads8 = losses_and_grads(config.load(None, [*SHARDED, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
+    assert abs(loss8 - loss1) <= 1e-5 * abs(loss1)
+    for a, b in zip(jax.tree.leaves(grads8), jax.tree.leaves(grads1)):
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-12
+
+
+def test_resume_switches_quantization_and_keeps_the_step_count(tmp_path):
+    from shardtrain import loop
+    tiny = [*TINY, "model.name=mlp", "train.compile_cache=false", "checkpoint.every_steps=2", f"run_dir={tmp_path}"]
+    assert loop.train(config.load(None, [*tiny, "train.steps=2"])) == 0
+    assert loop.train(config.load(None, [*tiny, "train.steps=4", "train.quantization=int8"])) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+
+
+def test_tpu_int8_step_runs_every_block_matmul_as_s8_forward_and_backward():
+    """One gpt layer (7 block weights: a forward, an input-gradient and a weight-gradient matmul
+    each) compiled for v5e:2x2: 21 s8 matmuls; the head's stay bf16 (the `none` program holds no s8
+    matmul: test_plan_tpu's programs, tests/plan/test_plan_tpu.py::test_none_has_no_int8_matmuls)."""
+    cfg = config.load(None, ["model.n_layers=1", "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2",
+                             "model.d_ff=256", "model.vocab_size=128", "data.seq_len=128", "data.source=synthetic",
+                             "train.global_batch_size=8", "mesh.fsdp=4", "train.compute_dtype=bfloat16",
+                             "train.quantization=int8", "model.attention=xla"])
+    devices = list(topology.devices(chips.CHIPS["v5e"], "2x2"))
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    compiled, seconds = planner.compile_program(prog)
+    counts = hlo.matmul_flops_by_dtype(compiled.as_text(), count=True)
+    assert counts.get("s8") == 21 and not any("f8" in k for k in counts)
+    r = planner.report(prog, compiled, chips.CHIPS["v5e"], seconds)
+    assert r["flops_by_dtype"]["s8"] > r["flops_by_dtype"]["bf16"]
+
+
+def test_fp8_compiles_to_f8_gemms_on_a_compile_only_h100():
+    """XLA:GPU without a GPU (jax's CUDA plugin, compile-only): the fp8 dot's forward and both
+    gradient matmuls keep f8 operands (e4m3 x e4m3 forward, e5m2 gradients)."""
+    pytest.importorskip("jax_plugins.xla_cuda12")
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    topo = topologies.get_topology_desc(platform="cuda", target_config=H100, topology="1x1x1")
+    replicated = NamedSharding(topologies.make_mesh(topo, (1,), ("fsdp",)), P())
+    x, w = (jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=replicated) for s in ((256, 512), (512, 384)))
+    loss = jax.jit(jax.grad(lambda x, w: (quant.dot(x, w, "fp8").astype(jnp.float32) ** 2).sum(), argnums=(0, 1)))
+    counts = hlo.matmul_flops_by_dtype(loss.lower(x, w).compile().as_text(), count=True)
+    assert counts == {"f8e4m3fn": 1, "f8e5m2xf8e4m3fn": 1, "f8e4m3fnxf8e5m2": 1}
+
+
+H100 = ('gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 '
+        'shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128 '
+        'block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 '
+        'memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98 '
+        'device_memory_size: 84929347584 shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 } '
+        'registers_per_core_limit: 65536 registers_per_block_limit: 65536 } platform_name: "CUDA" '
+        'dnn_version_info { major: 9 minor: 7 } runtime_version { major: 12 minor: 8 } '
+        'device_description_str: "NVIDIA H100 80GB HBM3"')
+"""A compile-only H100 (NOTES.md, Compiling for GPUs without a GPU)."""
+
+
+def test_flops_by_dtype_reads_operand_types_and_counts_loop_trips():
+    text = """HloModule m
+
+%body (p: (s32[], s8[4,8])) -> (s32[], s8[4,8]) {
+  %p = (s32[], s8[4,8]) parameter(0)
+  %a = s8[4,8]{1,0} get-tuple-element(%p), index=1
+  %b = s8[8,2]{1,0} constant({...})
+  %d = s32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], s8[4,8]) tuple(%i, %a)
+}
+
+%cond (p: (s32[], s8[4,8])) -> pred[] {
+  ROOT %c = pred[] compare(%x, %y), direction=LT
+}
+
+ENTRY %main (x: bf16[4,8], w: bf16[8,2]) -> bf16[4,2] {
+  %x = bf16[4,8]{1,0} parameter(0)
+  %w = bf16[8,2]{1,0} parameter(1)
+  %l = (s32[], s8[4,8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %y = bf16[4,2]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    assert hlo.matmul_flops_by_dtype(text) == {"s8": 3 * 2 * 4 * 2 * 8, "bf16": 2 * 4 * 2 * 8}
+    assert hlo.matmul_flops_by_dtype(text, count=True) == {"s8": 3, "bf16": 1}
+
+
+def test_roofline_counts_low_precision_matmuls_at_their_peak():
+    v5p = chips.CHIPS["v5p"]
+    assert chips.peak_flops(v5p, "s8") == 2 * chips.peak_flops(v5p, "bf16")
+    assert chips.peak_flops(chips.CHIPS["h100"], "f8e5m2xf8e4m3fn") == 1979e12
+    assert chips.peak_flops(v5p, "f8e4m3fn") == v5p.peak_flops  # no fp8 on a TPU: bf16's peak
+    assert chips.peak_flops(v5p, "s8xbf16") == v5p.peak_flops
+    peak = v5p.peak_flops
+    plain = planner.compute_seconds(peak, peak, {"bf16": 0.8 * peak}, v5p)
+    assert plain == pytest.approx(1.0)
+    # 80% of the FLOPs in s8 matmuls at twice the peak: 0.2 + 0.8 / 2 of the time
+    assert planner.compute_seconds(peak, peak, {"s8": 0.8 * peak}, v5p) == pytest.approx(0.6)
+    # the model's FLOPs floor is split like the program's
+    assert planner.compute_seconds(0.5 * peak, peak, {"s8": 0.4 * peak}, v5p) == pytest.approx(0.6)
