@@ -99,6 +99,55 @@ def _dot_bwd(how, res, g):
 _dot.defvjp(_dot_fwd, _dot_bwd)
 
 
+def _row_groups(group_e, rows: int):
+    """The group of each of `rows` rows sorted by group (group_e rows each; padding rows after the
+    groups get the last group, whose scale is then harmless: ragged_dot leaves those rows zero)."""
+    return jnp.minimum(jnp.searchsorted(jnp.cumsum(group_e), jnp.arange(rows), side="right"), group_e.shape[0] - 1)
+
+
+def _grouped_matmul(a_rk, b_ekm, group_e, how, grad=False):
+    """ragged_dot(a, b) with a per row and b per (group, output column) quantized over K."""
+    qa, sa = quantize(a_rk, (1,), how, grad)
+    qb, sb = quantize(b_ekm, (1,), how)
+    out = jax.lax.ragged_dot(qa, qb, group_e, preferred_element_type=_format(how)[2]).astype(jnp.float32)
+    return out * sa * sb[_row_groups(group_e, a_rk.shape[0]), 0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped(x_rd, w_edf, group_e, how):
+    return _grouped_matmul(x_rd, w_edf, group_e, how).astype(x_rd.dtype)
+
+
+def _grouped_fwd(x_rd, w_edf, group_e, how):
+    return _grouped(x_rd, w_edf, group_e, how), (x_rd, w_edf, group_e)
+
+
+def _grouped_bwd(how, res, g_rf):
+    x_rd, w_edf, group_e = res
+    dx = _grouped_matmul(g_rf, jnp.swapaxes(w_edf, 1, 2), group_e, how, grad=True)
+    # dw[e] = x_e^T g_e: contracted over each group's rows, so x and g are scaled per column over all rows
+    qx, sx = quantize(x_rd, (0,), how)
+    qg, sg = quantize(g_rf, (0,), how, grad=True)
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    dw = jax.lax.ragged_dot_general(qx, qg, group_e, numbers, preferred_element_type=_format(how)[2])
+    dw = dw.astype(jnp.float32) * sx.reshape(1, -1, 1) * sg.reshape(1, 1, -1)
+    return dx.astype(x_rd.dtype), dw.astype(w_edf.dtype), None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_dot(x_rd, w_edf, group_e, how: str = "none"):
+    """Rows x_rd (sorted by group, group_e rows each, padding after) times their group's w_edf
+    (`jax.lax.ragged_dot`, the MoE experts' grouped matmul), quantized like `dot`: x per row, w per
+    (expert, output channel) forward; g per row and w per (expert, input channel) for dx; x and g
+    per channel over all rows for dw."""
+    if how == "none":
+        return jax.lax.ragged_dot(x_rd, w_edf, group_e)
+    return _grouped(x_rd, w_edf, group_e, how)
+
+
 def dot(x, w_km, how: str = "none"):
     """x (..., K) @ w_km (K, M) -> (..., M) in x's dtype, the operands quantized by `how` (see the
     module docstring); `none` is the plain matmul."""

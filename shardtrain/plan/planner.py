@@ -10,11 +10,17 @@ documents the byte conventions), which is parsed once per report. FLOPs and byte
 come from `compiled.cost_analysis()`, which counts a while loop's body once, plus the loops' remaining
 iterations (`hlo.loop_repeats_cost`: a pipeline schedule, gradient accumulation, a rolled scan).
 
-Roofline estimate per step: compute = FLOPs per device / peak FLOP/s, memory = bytes accessed /
+Matmul FLOPs by operand type (`flops_by_dtype`, `hlo.matmul_flops_by_dtype`) are read from the same
+HLO: with train.quantization the block matmuls' operands are s8 or f8 there, and only those types
+the planner counts at their own peak (`chips.peak_flops`), never from the config flag.
+
+Roofline estimate per step: compute = FLOPs per device / peak FLOP/s (each matmul at its operand
+type's peak; the model's FLOPs split the same way for the floor), memory = bytes accessed /
 HBM bandwidth, communication = ring traffic of every collective / the bandwidth of its axes (DCN
 when an axis crosses slices, else ICI); step time = max(compute, memory) + communication (no
 overlap assumed: an upper bound on TPUs, which overlap some collectives); the bottleneck is the
-largest of the three. MFU = model FLOPs (6N + attention per token) / (step time x peak x devices).
+largest of the three. MFU = model FLOPs (6N + attention per token) / (step time x peak x devices),
+the peak being that of the types the matmuls run in (bf16's without quantization).
 """
 
 from __future__ import annotations
@@ -80,8 +86,8 @@ def pipeline_schedule(prog: step_lib.Program) -> dict | None:
 
 
 def compute_seconds(flops_dev: float, model_flops_dev: float, flops_by_dtype: dict[str, float],
-                    chip: chips_lib.Chip) -> float:
-    """The larger of the compiled FLOPs and the model's FLOPs at peak, each matmul at the peak of its
+                    chip: chips_lib.Chip) -> tuple[float, float]:
+    """(the compiled FLOPs' time, the model's FLOPs' time) at peak, each matmul at the peak of its
     operand type (`chips.peak_flops`: int8 / fp8 matmuls at theirs, the rest at bf16's). The model's
     FLOPs are split like the program's: the share of the compiled FLOPs that low-precision matmuls
     do runs at their peak (a kernel the HLO cannot see, e.g. splash attention, is in neither)."""
@@ -90,7 +96,7 @@ def compute_seconds(flops_dev: float, model_flops_dev: float, flops_by_dtype: di
     program_s = max(flops_dev - sum(low.values()), 0.0) / chip.peak_flops + low_s
     total = max(flops_dev, sum(flops_by_dtype.values()), 1.0)
     floor_s = model_flops_dev * ((1 - sum(low.values()) / total) / chip.peak_flops + low_s / total)
-    return max(program_s, floor_s)
+    return program_s, floor_s
 
 
 def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], chip: chips_lib.Chip,
@@ -100,14 +106,16 @@ def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], ch
     (`compute_seconds`): the compiler's count can fall short of the model's (a remat policy that saves
     every matmul and an embedding lookup with no input gradient, as in meshes/gpu_1x8.yaml; custom
     kernels such as splash attention report no FLOPs at all), and no step beats the model's own FLOPs
-    at peak. So MFU <= 1 (MFU counts against the bf16 peak, as is usual)."""
-    compute_s = compute_seconds(flops_dev, model_flops_step / n_devices, flops_by_dtype or {}, chip)
+    at peak. So MFU <= 1: it is the model's FLOPs at the peaks of the types its matmuls run in (bf16's
+    without quantization) over the step time."""
+    program_s, model_s = compute_seconds(flops_dev, model_flops_step / n_devices, flops_by_dtype or {}, chip)
+    compute_s = max(program_s, model_s)
     memory_s = bytes_dev / chip.hbm_bandwidth
     comm_s = sum(c.traffic_bytes * c.count / (chip.dcn_bandwidth if dcn_axes.intersection(c.axes)
                                                else chip.ici_bandwidth) for c in colls)
     step_s = max(compute_s, memory_s) + comm_s
     parts = {"compute": compute_s, "memory": memory_s, "communication": comm_s}
-    return {"step_time_s": step_s, "mfu": model_flops_step / (step_s * chip.peak_flops * n_devices),
+    return {"step_time_s": step_s, "mfu": model_s / step_s,
             "bottleneck": max(parts, key=parts.get), "compute_s": compute_s, "memory_s": memory_s,
             "comm_s": comm_s, "chip": chip.name}
 
