@@ -136,18 +136,21 @@ def test_resume_switches_quantization_and_keeps_the_step_count(tmp_path):
 
 
 def test_tpu_int8_step_runs_every_block_matmul_as_s8_forward_and_backward():
-    """One gpt layer (7 block weights: a forward, an input-gradient and a weight-gradient matmul
-    each) compiled for v5e:2x2: 21 s8 matmuls; the head's stay bf16 (the `none` program holds no s8
-    matmul: test_plan_tpu's programs, tests/plan/test_plan_tpu.py::test_none_has_no_int8_matmuls)."""
+    """One MoE layer with a shared expert, experts split 4 ways, compiled for v5e:2x2: its 10 block
+    weights (4 attention projections, 3 experts' grouped matmuls, 3 shared-expert matmuls) each
+    make a forward, an input-gradient and a weight-gradient matmul, all 30 s8 (the grouped ones in
+    the TPU's ragged-dot kernel); the head and the router stay float (the `none` program holds no s8
+    matmul: tests/plan/test_plan_tpu.py::test_none_has_no_int8_matmuls)."""
     cfg = config.load(None, ["model.n_layers=1", "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2",
                              "model.d_ff=256", "model.vocab_size=128", "data.seq_len=128", "data.source=synthetic",
-                             "train.global_batch_size=8", "mesh.fsdp=4", "train.compute_dtype=bfloat16",
+                             "model.moe.n_experts=4", "model.moe.n_shared_experts=1", "mesh.expert=4",
+                             "train.global_batch_size=8", "train.compute_dtype=bfloat16",
                              "train.quantization=int8", "model.attention=xla"])
     devices = list(topology.devices(chips.CHIPS["v5e"], "2x2"))
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
     compiled, seconds = planner.compile_program(prog)
     counts = hlo.matmul_flops_by_dtype(compiled.as_text(), count=True)
-    assert counts.get("s8") == 21 and not any("f8" in k for k in counts)
+    assert counts.get("s8") == 30 and not any("f8" in k for k in counts)
     r = planner.report(prog, compiled, chips.CHIPS["v5e"], seconds)
     assert r["flops_by_dtype"]["s8"] > r["flops_by_dtype"]["bf16"]
 

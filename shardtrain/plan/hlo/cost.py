@@ -71,7 +71,8 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
 
 def matmul_flops_by_dtype(program: str | Module, count: bool = False) -> dict[str, float]:
     """Matmul FLOPs per device per step by operand type, loop trips counted: every dot, convolution
-    (the TPU compiler's dots) and cuBLAS GEMM custom call, keyed by its operands' HLO type ("bf16",
+    (the TPU compiler's dots), cuBLAS GEMM custom call and TPU grouped-matmul kernel (`ragged-dot`,
+    counted over all its rows, padding included), keyed by its operands' HLO type ("bf16",
     "s8", "f8e4m3fn"; "f8e5m2xf8e4m3fn" when the two differ). The types are the compiled program's
     own, read from the instructions that define the operands. `count`: how many matmuls run instead."""
     module = as_module(program)
@@ -82,24 +83,29 @@ def matmul_flops_by_dtype(program: str | Module, count: bool = False) -> dict[st
         for ins in comp:
             flops = _matmul_flops(ins, shapes)
             if flops and mult[name]:
-                types = [_ARRAY_TYPE.match(shapes.get(o, "")) for o in ins.operands[:2]]
+                arrays = ins.operands[-2:] if ins.name.startswith("ragged-dot") else ins.operands[:2]
+                types = [_ARRAY_TYPE.match(shapes.get(o, "")) for o in arrays]
                 lhs, rhs = (t.group(1) if t else "?" for t in types)
                 out[lhs if lhs == rhs else f"{lhs}x{rhs}"] += (1 if count else flops) * mult[name]
     return dict(out)
 
 
 def _matmul_flops(ins: Instr, shapes: dict[str, str]) -> float:
-    """FLOPs of a dot (2mnk), a convolution, or a cuBLAS GEMM custom call; 0 for anything else."""
+    """FLOPs of a dot (2mnk), a convolution, a cuBLAS GEMM or TPU ragged-dot custom call; else 0."""
     if ins.opcode == "convolution":
         return _convolution_flops(ins, shapes)
+    operands = ins.operands[:2]
     if ins.opcode == "dot":
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line).group(1).split(",")
     elif ins.opcode == "custom-call" and "__cublas" in ins.line and len(ins.operands) >= 2:
         found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.line)
         contracting = re.findall(r"\d+", found.group(1)) if found else []
+    elif ins.opcode == "custom-call" and ins.name.startswith("ragged-dot") and len(ins.operands) >= 2:
+        # the TPU's grouped-matmul kernel: (rows, K) x (groups, K, N) -> (rows, N), its arrays last
+        operands, contracting = ins.operands[-2:], ["1"]
     else:
         return 0.0
-    lhs = dims(shapes.get(ins.operands[0], ""))
+    lhs = dims(shapes.get(operands[0], ""))
     k = math.prod(lhs[int(d)] for d in contracting if d) if lhs else 0
     return 2.0 * math.prod(dims(ins.shape)) * k
 
