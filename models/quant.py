@@ -19,9 +19,9 @@ step to step (no amax history: the train state and checkpoints are unchanged).
   s / 2, so |y - x @ w| <= sum_k (|x_k| s_w / 2 + |w_k| s_x / 2 + s_x s_w / 4) per output (the bound
   tests/test_quant.py checks).
 - fp8: e4m3 (Q = 448) for the forward operands, e5m2 (Q = 57344, more range, less precision) for
-  the gradient g in the backward products, accumulated in float32: on XLA:GPU (H100 / H200) an
-  fp8 x fp8 dot becomes a cuBLASLt fp8 GEMM. Relative rounding error per element <= 2^-4 (e4m3),
-  2^-3 (e5m2).
+  the gradient g in the backward products, accumulated in float32 and returned in the compute
+  dtype: on XLA:GPU (H100 / H200) an fp8 x fp8 dot becomes an fp8 GEMM (cuBLASLt or Triton).
+  Relative rounding error per element <= 2^-4 (e4m3), 2^-3 (e5m2).
 
 Gradients are straight-through: rounding is treated as the identity, so dx and dw are the float
 matmul's gradients computed with quantized operands (no clipping happens: absmax scales map every
@@ -44,7 +44,7 @@ def _format(how: str, grad: bool = False):
     if how == "int8":
         return jnp.int8, _INT8_MAX, jnp.int32
     dtype = jnp.float8_e5m2 if grad else jnp.float8_e4m3fn
-    return dtype, float(jnp.finfo(dtype).max), jnp.float32
+    return dtype, float(jnp.finfo(dtype).max), None  # None: the unquantized operand's dtype
 
 
 def quantize(v, axes: tuple[int, ...], how: str, grad: bool = False):
@@ -61,10 +61,12 @@ def quantize(v, axes: tuple[int, ...], how: str, grad: bool = False):
 
 def _qmatmul(a, a_axes, b, b_axes, contract, how, grads=(False, False)):
     """a . b over `contract` (lax dimension numbers) with both operands quantized along the given
-    (contracted) axes; the scales multiply the float32 product."""
+    (contracted) axes; the scales multiply the float32 product. An fp8 product comes out in a's
+    dtype (the GEMM accumulates in float32 inside; a bf16 result is what a sharded contraction then
+    reduces across devices, as without quantization, not float32)."""
     qa, sa = quantize(a, a_axes, how, grads[0])
     qb, sb = quantize(b, b_axes, how, grads[1])
-    acc = _format(how)[2]
+    acc = jnp.int32 if how == "int8" else a.dtype
     out = jax.lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=acc).astype(jnp.float32)
     return out, sa, sb
 
@@ -109,7 +111,8 @@ def _grouped_matmul(a_rk, b_ekm, group_e, how, grad=False):
     """ragged_dot(a, b) with a per row and b per (group, output column) quantized over K."""
     qa, sa = quantize(a_rk, (1,), how, grad)
     qb, sb = quantize(b_ekm, (1,), how)
-    out = jax.lax.ragged_dot(qa, qb, group_e, preferred_element_type=_format(how)[2]).astype(jnp.float32)
+    out = jax.lax.ragged_dot(qa, qb, group_e, preferred_element_type=_format(how)[2] or a_rk.dtype)
+    out = out.astype(jnp.float32)
     return out * sa * sb[_row_groups(group_e, a_rk.shape[0]), 0]
 
 
@@ -130,7 +133,7 @@ def _grouped_bwd(how, res, g_rf):
     qg, sg = quantize(g_rf, (0,), how, grad=True)
     numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    dw = jax.lax.ragged_dot_general(qx, qg, group_e, numbers, preferred_element_type=_format(how)[2])
+    dw = jax.lax.ragged_dot_general(qx, qg, group_e, numbers, preferred_element_type=_format(how)[2] or x_rd.dtype)
     dw = dw.astype(jnp.float32) * sx.reshape(1, -1, 1) * sg.reshape(1, 1, -1)
     return dx.astype(x_rd.dtype), dw.astype(w_edf.dtype), None
 
