@@ -40,16 +40,23 @@ _INT8_MAX = 127.0
 
 
 def _format(how: str, grad: bool = False):
-    """(operand dtype, largest representable magnitude Q, accumulation dtype) of a format."""
+    """(operand dtype, largest representable magnitude Q) of a format."""
     if how == "int8":
-        return jnp.int8, _INT8_MAX, jnp.int32
+        return jnp.int8, _INT8_MAX
     dtype = jnp.float8_e5m2 if grad else jnp.float8_e4m3fn
-    return dtype, float(jnp.finfo(dtype).max), None  # None: the unquantized operand's dtype
+    return dtype, float(jnp.finfo(dtype).max)
+
+
+def _product_dtype(how: str, like):
+    """What a quantized product comes out in: int32 sums for int8; for fp8 the unquantized
+    operand's dtype (the GEMM accumulates in float32 inside; a bf16 result is what a sharded
+    contraction then reduces across devices, as without quantization, not float32)."""
+    return jnp.int32 if how == "int8" else like.dtype
 
 
 def quantize(v, axes: tuple[int, ...], how: str, grad: bool = False):
     """(q, s): v ~ s * q with one absmax scale s (float32, keepdims) per slice along `axes`."""
-    dtype, qmax, _ = _format(how, grad)
+    dtype, qmax = _format(how, grad)
     v32 = v.astype(jnp.float32)
     amax = jnp.max(jnp.abs(v32), axis=axes, keepdims=True)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)
@@ -61,13 +68,11 @@ def quantize(v, axes: tuple[int, ...], how: str, grad: bool = False):
 
 def _qmatmul(a, a_axes, b, b_axes, contract, how, grads=(False, False)):
     """a . b over `contract` (lax dimension numbers) with both operands quantized along the given
-    (contracted) axes; the scales multiply the float32 product. An fp8 product comes out in a's
-    dtype (the GEMM accumulates in float32 inside; a bf16 result is what a sharded contraction then
-    reduces across devices, as without quantization, not float32)."""
+    (contracted) axes; the scales multiply the float32 product."""
     qa, sa = quantize(a, a_axes, how, grads[0])
     qb, sb = quantize(b, b_axes, how, grads[1])
-    acc = jnp.int32 if how == "int8" else a.dtype
-    out = jax.lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=acc).astype(jnp.float32)
+    out = jax.lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=_product_dtype(how, a))
+    out = out.astype(jnp.float32)
     return out, sa, sb
 
 
@@ -111,7 +116,7 @@ def _grouped_matmul(a_rk, b_ekm, group_e, how, grad=False):
     """ragged_dot(a, b) with a per row and b per (group, output column) quantized over K."""
     qa, sa = quantize(a_rk, (1,), how, grad)
     qb, sb = quantize(b_ekm, (1,), how)
-    out = jax.lax.ragged_dot(qa, qb, group_e, preferred_element_type=_format(how)[2] or a_rk.dtype)
+    out = jax.lax.ragged_dot(qa, qb, group_e, preferred_element_type=_product_dtype(how, a_rk))
     out = out.astype(jnp.float32)
     return out * sa * sb[_row_groups(group_e, a_rk.shape[0]), 0]
 
@@ -133,7 +138,7 @@ def _grouped_bwd(how, res, g_rf):
     qg, sg = quantize(g_rf, (0,), how, grad=True)
     numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    dw = jax.lax.ragged_dot_general(qx, qg, group_e, numbers, preferred_element_type=_format(how)[2] or x_rd.dtype)
+    dw = jax.lax.ragged_dot_general(qx, qg, group_e, numbers, preferred_element_type=_product_dtype(how, x_rd))
     dw = dw.astype(jnp.float32) * sx.reshape(1, -1, 1) * sg.reshape(1, 1, -1)
     return dx.astype(x_rd.dtype), dw.astype(w_edf.dtype), None
 
