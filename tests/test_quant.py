@@ -76,7 +76,7 @@ def test_quantized_operands_are_int8_with_int32_accumulation_forward_and_backwar
     x, w = operands((16, 32), (32, 8))
     text = jax.jit(jax.grad(lambda x, w: (quant.dot(x, w, "int8") ** 2).sum(), argnums=(0, 1))).lower(x, w).as_text()
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
-    assert len(dots) == 3 and all("tensor<16x32xi8>" in d or "xi8>" in d.split("->")[0] for d in dots)
+    assert len(dots) == 3 and all(d.split("->")[0].count("xi8>") == 2 for d in dots)
     assert all(d.split("->")[-1].strip().endswith("xi32>") for d in dots)
 
 
@@ -115,9 +115,10 @@ def test_sharded_int8_matmul_equals_one_device_exactly():
 
 def test_sharded_int8_step_equals_one_device():
     """The whole step on 2x2x2: the loss within 1e-5. The gradients within 1e-2: the float parts of
-    the program (norms, attention, the head) differ from one device's by float rounding (~4e-7
-    here, as without quantization), and round-to-nearest turns such a difference into a whole int8
-    step wherever a value sits at a rounding boundary (~3e-3 of the gradients' norm here)."""
+    the program (the head's vocab-split softmax, reductions in another order) differ from one
+    device's by float rounding (~4e-7 for the gpt, as without quantization), and round-to-nearest
+    turns such a difference into a whole int8 step wherever a value sits at a rounding boundary
+    (~3e-3 of the gpt's gradient norms)."""
     loss1, grads1 = losses_and_grads(config.load(None, SHARDED), jax.devices()[:1])
     loss8, grads8 = losses_and_grads(config.load(None, [*SHARDED, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
     assert abs(loss8 - loss1) <= 1e-5 * abs(loss1)
