@@ -126,6 +126,7 @@ def test_sharded_int8_step_equals_one_device():
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
 
 
+@pytest.mark.slow  # two short training runs
 def test_resume_switches_quantization_and_keeps_the_step_count(tmp_path):
     from shardtrain import loop
     tiny = [*TINY, "model.name=mlp", "train.compile_cache=false", "checkpoint.every_steps=2", f"run_dir={tmp_path}"]
@@ -136,6 +137,7 @@ def test_resume_switches_quantization_and_keeps_the_step_count(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
 
 
+@pytest.mark.slow  # a TPU compile (libtpu), about 25 s
 def test_tpu_int8_step_runs_every_block_matmul_as_s8_forward_and_backward():
     """One MoE layer with a shared expert, experts split 4 ways, compiled for v5e:2x2: its 10 block
     weights (4 attention projections, 3 experts' grouped matmuls, 3 shared-expert matmuls) each
