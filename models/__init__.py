@@ -1,12 +1,14 @@
 """Model registry. A model is one module here exposing a class built as
-`cls(model_cfg, rngs=..., constrain=...)` with `embed(tokens_bt) -> x_btd`, stacked `blocks`
+`cls(model_cfg, rngs=..., constrain=..., quantization="none")` with `embed(tokens_bt) -> x_btd`, stacked `blocks`
 (leading logical axis `layers`, each block `block(x_btd, segment_ids_bt=None, positions_bt=None) -> x_btd`;
 None means one document per row at positions 0..T-1), `head(x_btd) -> logits_btv` and
 `flops_per_token(model_cfg, n_params, seq_len)` (training FLOPs, for MFU and the planner).
 A block may return `(x_btd, aux)`, aux a dict of scalar auxiliary losses (an MoE router's), which
 the trainer adds to the objective. Models name logical axes only; `constrain(x, names)` is
 handed in by the trainer, with `constrain.size(name)` (ways a logical axis is split) and
-`constrain.shard_map(fn, in_names, out_names)` (fn(shard, *local arrays) per device)."""
+`constrain.shard_map(fn, in_names, out_names)` (fn(shard, *local arrays) per device).
+`quantization` (none / int8 / fp8, the trainer's train.quantization) is how the blocks' matmuls
+run (`dense(..., quantization=...)`, models/quant.py); it changes no parameter."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import typing
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from models import quant
 
 MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp",
           **{family: "models.gpt:Gpt" for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
@@ -87,15 +91,19 @@ def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=N
 # shardtrain). Both compute exactly what the plain form would (an einsum, a gather).
 
 
-def dense(x, w, n_in=1, flat=True):
+def dense(x, w, n_in=1, flat=True, quantization="none"):
     """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul: the same
     numbers as `einsum("...k,k...")`, and XLA's CPU backend runs (N, K) @ (K, M) much faster than a
     batched einsum, backward too (the simulated-device tests and demo run on CPU). `flat=False`
     keeps x's leading dims (a tensordot): when both batch and sequence are split over devices
-    (context parallelism) XLA cannot merge them without gathering the sequence."""
+    (context parallelism) XLA cannot merge them without gathering the sequence. `quantization`
+    (int8 / fp8) quantizes both operands forward and backward (models/quant.py)."""
+    lead, k = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in])
+    if quantization != "none":
+        x_k = x.reshape(-1, k) if flat else x.reshape(*lead, k)
+        return quant.dot(x_k, w.reshape(k, -1), quantization).reshape(*lead, *w.shape[n_in:])
     if not flat:
         return jnp.tensordot(x, w, axes=n_in)
-    lead, k = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in])
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
 
 

@@ -104,10 +104,11 @@ LORA_TARGETS = {name: hf_name for name, (_, _, hf_name) in BLOCK_WEIGHTS.items()
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint, quantization="none"):
         d, h, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         e = cfg.head_size
         self.theta, self.constrain, self.attention = cfg.rope_theta, constrain, cfg.attention
+        self.quantization = quantization
         self.rope_scaling, self.eps, self.window = cfg.rope_scaling, cfg.rms_norm_eps, cfg.sliding_window
         self.attn_norm = param(rngs, ones, (d,), (None,))
         self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
@@ -123,7 +124,7 @@ class Block(nnx.Module):
         self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), LOGICAL["wo_hed"])
         self.mlp_norm = param(rngs, ones, (d,), (None,))
         if cfg.moe.n_experts > 1:
-            self.moe = moe.Moe(cfg, rngs=rngs, constrain=constrain)
+            self.moe = moe.Moe(cfg, rngs=rngs, constrain=constrain, quantization=quantization)
         else:
             self._dense_mlp(cfg, rngs)
         self.lora_scale = cfg.lora.alpha / max(cfg.lora.rank, 1)
@@ -148,8 +149,9 @@ class Block(nnx.Module):
         return jax.lax.stop_gradient(w) + (self.lora_scale * dense(a, b)).astype(w.dtype)
 
     def mm(self, x, name, n_in=1):
-        """x times block weight `name` (flat 2D matmul unless the sequence is split over devices)."""
-        return dense(x, self.weight(name), n_in, flat=self.constrain.size("seq") == 1)
+        """x times block weight `name` (flat 2D matmul unless the sequence is split over devices),
+        quantized by the block's `quantization`."""
+        return dense(x, self.weight(name), n_in, flat=self.constrain.size("seq") == 1, quantization=self.quantization)
 
     def qkv(self, x_btd, positions_bt=None):
         """Queries, keys (both rotated) and values of the normed input."""
@@ -204,10 +206,13 @@ class Block(nnx.Module):
 
 
 class Gpt(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint, quantization="none"):
+        """`quantization` applies to the blocks' matmuls (projections, MLP, experts); the embedding,
+        head and norms stay in the compute dtype."""
         self.constrain, self.eps, self.embed_how = constrain, cfg.rms_norm_eps, cfg.embed
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain), cfg.n_layers, rngs)
+        self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain, quantization=quantization),
+                              cfg.n_layers, rngs)
         self.final_norm = param(rngs, ones, (cfg.d_model,), (None,))
         if not cfg.tie_embeddings:
             self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size),

@@ -26,21 +26,23 @@ normal = nnx.initializers.normal
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
-        self.constrain = constrain
+    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint, quantization="none"):
+        self.constrain, self.quantization = constrain, quantization
         self.w_in_df = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
         self.w_out_fd = param(rngs, normal(cfg.d_ff ** -0.5 / 2), (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
 
     def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):  # tokens do not mix: ignored
-        h_btf = self.constrain(jax.nn.gelu(dense(x_btd, self.w_in_df[...])), BTF)
-        return self.constrain(x_btd + dense(h_btf, self.w_out_fd[...]), BTD)
+        q = self.quantization
+        h_btf = self.constrain(jax.nn.gelu(dense(x_btd, self.w_in_df[...], quantization=q)), BTF)
+        return self.constrain(x_btd + dense(h_btf, self.w_out_fd[...], quantization=q), BTD)
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint, quantization="none"):
         self.constrain, self.embed_how = constrain, cfg.embed
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain), cfg.n_layers, rngs)
+        self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain, quantization=quantization),
+                              cfg.n_layers, rngs)
         self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_bt):

@@ -46,22 +46,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import dense, param
+from models import dense, param, quant
 
 normal = nnx.initializers.normal
 W_IN = ("experts", "expert_embed", "mlp")
 W_OUT = ("experts", "mlp", "expert_embed")
 
 
-def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True):
+def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True, quantization="none"):
     def mm(x, w):
-        return dense(x, w, flat=flat)
+        return dense(x, w, flat=flat, quantization=quantization)
     return mm(jax.nn.silu(mm(x_btd, w_gate_df)) * mm(x_btd, w_up_df), w_down_fd)
 
 
-def grouped(x_rd, w_edf, group_e):
+def grouped(x_rd, w_edf, group_e, quantization="none"):
     """Rows x_rd (sorted by group, group_e rows each, padding after) times their group's w_edf."""
-    return jax.lax.ragged_dot(x_rd, w_edf, group_e)
+    return quant.grouped_dot(x_rd, w_edf, group_e, quantization)
 
 
 @jax.custom_vjp
@@ -120,8 +120,10 @@ def capacity(cfg, assignments: int) -> int | None:
     return max(1, math.ceil(cfg.moe.capacity_factor * assignments / cfg.moe.n_experts))
 
 
-def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, *, cfg):
-    """One device's tokens through their experts (see the module docstring); returns out_btd."""
+def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, *, cfg,
+                  quantization="none"):
+    """One device's tokens through their experts (see the module docstring), the grouped matmuls
+    quantized by `quantization`; returns out_btd."""
     b, t, d = x_btd.shape
     k = top_i_btk.shape[-1]
     w_gate_edf = shard.all_gather(w_gate_edf, "expert_embed", axis=1)
@@ -155,8 +157,9 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
     order_r = jnp.argsort(local_r, stable=True)
     group_l = jnp.zeros((el + 1,), jnp.int32).at[local_r].add(1)[:el]
     x_rd = gather_rows(recv_psd.reshape(p * rows, d), order_r)
-    gate_rf, up_rf = grouped(x_rd, w_gate_edf, group_l), grouped(x_rd, w_up_edf, group_l)
-    y_rd = grouped(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l)
+    q = quantization
+    gate_rf, up_rf = grouped(x_rd, w_gate_edf, group_l, q), grouped(x_rd, w_up_edf, group_l, q)
+    y_rd = grouped(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l, q)
     y_rd = jnp.where((jnp.arange(p * rows) < group_l.sum())[:, None], y_rd, 0)
     back_psd = shard.all_to_all(scatter_rows(y_rd, order_r, p * rows).reshape(p, rows, d), "experts")
     y_sd = gather_rows(back_psd.reshape(p * rows, d), slot_s)  # dropped assignments: zero
@@ -168,9 +171,9 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
 class Moe(nnx.Module):
     """`moe(h_btd) -> (out_btd, aux)`: the MoE MLP of one decoder block."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, constrain, quantization="none"):
         d, f, e = cfg.d_model, cfg.d_ff, cfg.moe.n_experts
-        self.cfg, self.constrain = cfg, constrain
+        self.cfg, self.constrain, self.quantization = cfg, constrain, quantization
         self.router_de = param(rngs, normal(d ** -0.5), (d, e), ("embed", None))
         self.w_gate_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_up_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
@@ -190,12 +193,12 @@ class Moe(nnx.Module):
         top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.moe.experts_per_token, c, cfg.moe.norm_topk_prob)
         aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
-        local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg),
+        local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg, quantization=self.quantization),
                             (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))
         out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
         if cfg.moe.n_shared_experts:
             shared = (self.shared_w_gate_df[...], self.shared_w_up_df[...], self.shared_w_down_fd[...])
-            shared_btd = swiglu(h_btd, *shared, flat)
+            shared_btd = swiglu(h_btd, *shared, flat, self.quantization)
             if cfg.moe.shared_expert_gate:
                 shared_btd = jax.nn.sigmoid(dense(h_btd, self.shared_expert_gate_d1[...], flat=flat)) * shared_btd
             out_btd = out_btd + shared_btd

@@ -103,7 +103,8 @@ def model_class(cfg: RunConfig):
 def abstract_model(cfg: RunConfig, constrain=models.no_constraint):
     """The model with ShapeDtypeStructs for parameters: one trace of its constructor, nothing allocated."""
     cls = model_class(cfg)
-    return nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0), constrain=constrain))
+    return nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0), constrain=constrain,
+                                      quantization=cfg.train.quantization))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -335,6 +335,13 @@ class TrainConfig:
     (the cross-entropy itself is taken in float32; the optimizer update uses param_dtype)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of stored (master) weights and optimizer state."""
+    quantization: Literal["none", "int8", "fp8"] = "none"
+    """How the blocks' matmuls (attention projections, MLP, MoE experts) run, forward and backward
+    (models/quant.py): `int8` operands with int32 accumulation (TPU v5e / v5p / v6e: twice bf16's
+    peak), `fp8` e4m3 forward and e5m2 gradients (H100 / H200), both with per-row / per-column
+    absmax scales taken fresh each step and straight-through gradients. Master weights, optimizer
+    state and checkpoints are unchanged, so a resume may switch it; the embedding, head and norms
+    stay in compute_dtype. `none`: compute_dtype throughout."""
     log_every: int = 1
     eval_every: int = 0
     """Evaluate on the held-out split every this many steps and at the last step; 0: never."""

@@ -106,6 +106,32 @@ CHIPS = {c.name: c for c in [
 ]}
 
 
+LOW_PRECISION_FLOPS = {
+    "v5e": {"int8": 394e12}, "v5p": {"int8": 918e12}, "v6e": {"int8": 1836e12},
+    "a100": {"int8": 624e12}, "h100": {"int8": 1979e12, "fp8": 1979e12}, "h200": {"int8": 1979e12, "fp8": 1979e12},
+}
+"""Dense peak operations/s per chip of int8 and fp8 matmuls (vendor spec sheets as above: v5e 394,
+v5p 918, v6e 1836 int8 TOPS; A100 624 int8 TOPS; H100 / H200 SXM 1979 fp8 TFLOP/s and int8 TOPS,
+without sparsity). A type a chip does not list runs at its bf16 peak."""
+
+
+def operand_kind(dtype: str) -> str:
+    """"int8", "fp8" or "bf16" (the rest) for an HLO operand type key of `hlo.matmul_flops_by_dtype`
+    ("s8", "f8e4m3fn", "f8e5m2xf8e4m3fn", "bf16"): a matmul runs at a low-precision peak only when
+    both operands have that type."""
+    types = dtype.split("x")  # no HLO type name has an x
+    if all(t in ("s8", "u8") for t in types):
+        return "int8"
+    if all(t.startswith("f8") for t in types):
+        return "fp8"
+    return "bf16"
+
+
+def peak_flops(chip: Chip, dtype: str) -> float:
+    """The chip's peak for matmuls whose operands are of HLO type `dtype`."""
+    return LOW_PRECISION_FLOPS.get(chip.name, {}).get(operand_kind(dtype), chip.peak_flops)
+
+
 def for_device_kind(kind: str) -> Chip | None:
     """The chip whose device_kind matches (None for CPUs and unknown devices)."""
     for chip in CHIPS.values():

@@ -16,11 +16,17 @@ them come from the HLO (`hlo.program_cost`).
 The compiler is the target's own: the TPU compiler for a TPU topology, XLA:GPU for GPUs (compile-only
 devices of `topology.gpu_devices` when no GPU is here), else the devices present.
 
-Roofline estimate per step: compute = FLOPs per device / peak FLOP/s, memory = bytes accessed /
+Matmul FLOPs by operand type (`flops_by_dtype`, `hlo.matmul_flops_by_dtype`) are read from the same
+HLO: with train.quantization the block matmuls' operands are s8 or f8 there, and only those types
+the planner counts at their own peak (`chips.peak_flops`), never from the config flag.
+
+Roofline estimate per step: compute = FLOPs per device / peak FLOP/s (each matmul at its operand
+type's peak; the model's FLOPs split the same way for the floor), memory = bytes accessed /
 HBM bandwidth, communication = ring traffic of every collective / the bandwidth of its axes (DCN
 when an axis crosses slices or GPU nodes, else ICI / NVLink); step time = max(compute, memory) +
-communication (no overlap assumed: an upper bound on TPUs, which overlap some collectives); the bottleneck is the
-largest of the three. MFU = model FLOPs (6N + attention per token) / (step time x peak x devices).
+communication (no overlap assumed: an upper bound on TPUs, which overlap some collectives); the
+bottleneck is the largest of the three. MFU = model FLOPs (6N + attention per token) / (step time x
+peak x devices), the peak being that of the types the matmuls run in (bf16's without quantization).
 """
 
 from __future__ import annotations
@@ -90,19 +96,37 @@ def pipeline_schedule(prog: step_lib.Program) -> dict | None:
             "repeats": t.pipeline.repeats, "bubble_fraction": s.bubble_fraction}
 
 
+def compute_seconds(flops_dev: float, model_flops_dev: float, flops_by_dtype: dict[str, float],
+                    chip: chips_lib.Chip) -> tuple[float, float]:
+    """(the compiled FLOPs' time, the model's FLOPs' time) at peak, each matmul at the peak of its
+    operand type (`chips.peak_flops`: int8 / fp8 matmuls at theirs, the rest at bf16's). The model's
+    FLOPs are split like the program's: the share of the compiled FLOPs that low-precision matmuls
+    do runs at their peak (a kernel the HLO cannot see, e.g. splash attention, is in neither)."""
+    low = {k: v for k, v in flops_by_dtype.items() if chips_lib.peak_flops(chip, k) != chip.peak_flops}
+    low_s = sum(v / chips_lib.peak_flops(chip, k) for k, v in low.items())
+    program_s = max(flops_dev - sum(low.values()), 0.0) / chip.peak_flops + low_s
+    total = max(flops_dev, sum(flops_by_dtype.values()), 1.0)
+    floor_s = model_flops_dev * ((1 - sum(low.values()) / total) / chip.peak_flops + low_s / total)
+    return program_s, floor_s
+
+
 def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], chip: chips_lib.Chip,
-             dcn_axes: set[str], model_flops_step: float, n_devices: int) -> dict:
-    """The roofline. Compute time is the larger of the compiled FLOPs and the model's FLOPs at peak:
-    the compiler's count can fall short of the model's (a remat policy that saves every matmul and an
-    embedding lookup with no input gradient, as in meshes/gpu_1x8.yaml; custom kernels such as splash
-    attention report no FLOPs at all), and no step beats the model's own FLOPs at peak. So MFU <= 1."""
-    compute_s = max(flops_dev, model_flops_step / n_devices) / chip.peak_flops
+             dcn_axes: set[str], model_flops_step: float, n_devices: int,
+             flops_by_dtype: dict[str, float] | None = None) -> dict:
+    """The roofline. Compute time is the larger of the compiled FLOPs and the model's FLOPs at peak
+    (`compute_seconds`): the compiler's count can fall short of the model's (a remat policy that saves
+    every matmul and an embedding lookup with no input gradient, as in meshes/gpu_1x8.yaml; custom
+    kernels such as splash attention report no FLOPs at all), and no step beats the model's own FLOPs
+    at peak. So MFU <= 1: it is the model's FLOPs at the peaks of the types its matmuls run in (bf16's
+    without quantization) over the step time."""
+    program_s, model_s = compute_seconds(flops_dev, model_flops_step / n_devices, flops_by_dtype or {}, chip)
+    compute_s = max(program_s, model_s)
     memory_s = bytes_dev / chip.hbm_bandwidth
     comm_s = sum(c.traffic_bytes * c.count / (chip.dcn_bandwidth if dcn_axes.intersection(c.axes)
                                                else chip.ici_bandwidth) for c in colls)
     step_s = max(compute_s, memory_s) + comm_s
     parts = {"compute": compute_s, "memory": memory_s, "communication": comm_s}
-    return {"step_time_s": step_s, "mfu": model_flops_step / (step_s * chip.peak_flops * n_devices),
+    return {"step_time_s": step_s, "mfu": model_s / step_s,
             "bottleneck": max(parts, key=parts.get), "compute_s": compute_s, "memory_s": memory_s,
             "comm_s": comm_s, "chip": chip.name}
 
@@ -177,6 +201,7 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         cost, (loop_flops, loop_bytes) = {}, hlo.program_cost(module)
     optimal_s = cost.get("optimal_seconds")  # the TPU cost model's step time (its loop bodies counted once)
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
+    flops_by_dtype = hlo.matmul_flops_by_dtype(module)
     bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
     colls = hlo.collectives(module, dict(mesh.shape))
     dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1} | mesh_lib.cross_granule_axes(mesh)
@@ -211,11 +236,13 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "comm_traffic_bytes_per_device": int(sum(c.traffic_bytes * c.count for c in colls)),
         "flops_per_device": flops_dev,
         "flops_per_step": flops_dev * n,
+        "flops_by_dtype": flops_by_dtype,
         "bytes_accessed_per_device": bytes_dev,
         "loop_repeats_per_device": {"flops": loop_flops, "bytes": loop_bytes},
         "model_flops_per_token": flops_token,
         "model_flops_per_step": flops_token * tokens,
-        "estimate": {**estimate(flops_dev, bytes_dev, colls, chip_dev, dcn_axes, flops_token * tokens, n),
+        "estimate": {**estimate(flops_dev, bytes_dev, colls, chip_dev, dcn_axes, flops_token * tokens, n,
+                                flops_by_dtype),
                      "tpu_cost_model_step_s": float(optimal_s) if optimal_s and optimal_s > 0 else None,
                      "cost_analysis_optimal_seconds": None if optimal_s is None else float(optimal_s)},
         "pipeline": pipeline_schedule(prog),
@@ -341,6 +368,8 @@ def format_report(r: dict) -> str:
           for k, c in r["collectives"].items()),
         "", f"FLOPs per step {r['flops_per_step']:.4g} ({r['flops_per_device']:.4g} per device); "
             f"model FLOPs per token {r['model_flops_per_token']:.4g}",
+        "matmul FLOPs per device by operand type: " + (", ".join(
+            f"{k} {v:.4g}" for k, v in sorted(r["flops_by_dtype"].items(), key=lambda kv: -kv[1])) or "none"),
         f"estimate on {r['devices']} x {r['chip']}: step {e['step_time_s'] * 1e3:.3f} ms, MFU {e['mfu']:.1%}, "
         f"bound by {e['bottleneck']} (compute {e['compute_s'] * 1e3:.3f} ms, memory {e['memory_s'] * 1e3:.3f} ms, "
         f"communication {e['comm_s'] * 1e3:.3f} ms)",

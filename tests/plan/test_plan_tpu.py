@@ -218,3 +218,9 @@ def test_tpu_flops_count_every_layer_of_the_rolled_scan():
     # (loop bodies read from the text come within ~7% of cost analysis's own count: 0.96 here, 0.28 before)
     assert 0.9 <= r["flops_per_device"] * r["devices"] / r["model_flops_per_step"] <= 1.3
     assert r["collectives"]["reduce-scatter"]["count"] >= 4  # each layer's gradients, inside the loop
+
+
+def test_none_has_no_int8_matmuls():
+    """train.quantization=none (the default): every matmul of the TPU program is a float one."""
+    by_type = planned("fsdp")["flops_by_dtype"]
+    assert by_type and not any(k.startswith(("s8", "u8", "f8")) for k in by_type)

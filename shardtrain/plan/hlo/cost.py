@@ -27,6 +27,7 @@ from shardtrain.plan.hlo.parse import Instr, Module, as_module, dims, fusion_cal
 _NO_MEMORY = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
               "after-all", "partition-id", "replica-id"}
 _SLICES = ("slice", "dynamic-slice")
+_ARRAY_TYPE = re.compile(r"\(?([a-z]+\d*(?:e\d+m\d+\w*)?)\[")
 _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare", "select",
                 "and", "or", "xor", "not", "clamp", "sign", "floor", "ceil", "remainder"}
 
@@ -66,10 +67,8 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
     shapes = {i.name: i.shape for i in comp}
     flops = nbytes = 0.0
     for ins in comp:
-        if ins.opcode == "dot" or (ins.opcode == "custom-call" and "__cublas$" in ins.line):
-            flops += _dot_flops(ins, shapes)
-        elif ins.opcode == "convolution":
-            flops += _convolution_flops(ins, shapes)
+        if ins.opcode in ("dot", "convolution") or (ins.opcode == "custom-call" and "__cublas" in ins.line):
+            flops += _matmul_flops(ins, shapes)  # (not the TPU's ragged-dot kernel: cost analysis has none)
         elif ins.opcode in _ELEMENTWISE:
             flops += math.prod(dims(ins.shape))
         elif ins.opcode == "reduce":
@@ -88,15 +87,44 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
     return flops, nbytes
 
 
-def _dot_flops(ins: Instr, shapes: dict[str, str]) -> float:
-    """2 x output elements x contracted size, for a dot or a cuBLAS GEMM custom call (whose result is
-    a (product, workspace) tuple and whose dimension numbers are in its backend config)."""
-    found = (re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line)
-             or re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.line))
-    if not found:
+def matmul_flops_by_dtype(program: str | Module, count: bool = False) -> dict[str, float]:
+    """Matmul FLOPs per device per step by operand type, loop trips counted: every dot, convolution
+    (the TPU compiler's dots), cuBLAS GEMM custom call and TPU grouped-matmul kernel (`ragged-dot`,
+    counted over all its rows, padding included), keyed by its operands' HLO type ("bf16",
+    "s8", "f8e4m3fn"; "f8e5m2xf8e4m3fn" when the two differ). The types are the compiled program's
+    own, read from the instructions that define the operands. `count`: how many matmuls run instead."""
+    module = as_module(program)
+    mult = multipliers(module)
+    out: dict[str, float] = defaultdict(float)
+    for name, comp in module.computations.items():
+        shapes = {i.name: i.shape for i in comp}
+        for ins in comp:
+            flops = _matmul_flops(ins, shapes)
+            if flops and mult[name]:
+                arrays = ins.operands[-2:] if ins.name.startswith("ragged-dot") else ins.operands[:2]
+                types = [_ARRAY_TYPE.match(shapes.get(o, "")) for o in arrays]
+                lhs, rhs = (t.group(1) if t else "?" for t in types)
+                out[lhs if lhs == rhs else f"{lhs}x{rhs}"] += (1 if count else flops) * mult[name]
+    return dict(out)
+
+
+def _matmul_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """FLOPs of a dot (2mnk), a convolution, a cuBLAS GEMM or TPU ragged-dot custom call; else 0."""
+    if ins.opcode == "convolution":
+        return _convolution_flops(ins, shapes)
+    operands = ins.operands[:2]
+    if ins.opcode == "dot":
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line).group(1).split(",")
+    elif ins.opcode == "custom-call" and "__cublas" in ins.line and len(ins.operands) >= 2:
+        found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.line)
+        contracting = re.findall(r"\d+", found.group(1)) if found else []
+    elif ins.opcode == "custom-call" and ins.name.startswith("ragged-dot") and len(ins.operands) >= 2:
+        # the TPU's grouped-matmul kernel: (rows, K) x (groups, K, N) -> (rows, N), its arrays last
+        operands, contracting = ins.operands[-2:], ["1"]
+    else:
         return 0.0
-    lhs = dims(shapes.get(ins.operands[0], ""))
-    k = math.prod(lhs[int(d.strip('" '))] for d in found.group(1).split(",") if d.strip('" ')) if lhs else 0
+    lhs = dims(shapes.get(operands[0], ""))
+    k = math.prod(lhs[int(d)] for d in contracting if d) if lhs else 0
     return 2.0 * math.prod(dims(ins.shape)) * k
 
 
