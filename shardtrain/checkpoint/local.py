@@ -139,6 +139,8 @@ class LocalTier:
             arrays = []
             for k, (key, devices) in enumerate(distinct_shards(leaf)):
                 host = np.load(where / f"leaf{n:05d}.s{k}.npy", allow_pickle=False)
+                if host.dtype.kind == "V" and host.dtype.itemsize == np.dtype(leaf.dtype).itemsize:
+                    host = host.view(leaf.dtype)  # bfloat16 and the like are stored as raw bytes
                 if host.shape != tuple(b - a for a, b in key) or host.dtype != leaf.dtype:
                     raise ValueError(f"leaf{n:05d}.s{k}.npy holds {host.dtype}{list(host.shape)}, "
                                      f"not {leaf.dtype}{[b - a for a, b in key]}")
@@ -176,7 +178,8 @@ def restore_newest(persistent: manager.Checkpointer, local: LocalTier | None, sa
     if local is not None:
         newest_persistent = persistent.latest_step() or 0
         mine = local.steps()
-        for step in common_steps(mine, slots=16):
+        common = common_steps(mine, slots=16)
+        for step in common:
             if step <= newest_persistent:
                 break
             try:
@@ -188,7 +191,7 @@ def restore_newest(persistent: manager.Checkpointer, local: LocalTier | None, sa
                 return state, meta, "local"
             say(f"local checkpoint step {step} cannot be read on every process"
                 f"{f' (here: {error})' if error else ''}; trying an older step")
-        if mine and mine[0] > newest_persistent:
+        if mine and mine[0] > newest_persistent and mine[0] not in common:
             say(f"local checkpoint step {mine[0]} is not held whole by every process; "
                 f"falling back to the persistent tier")
     restored = persistent.restore_latest(say=say)
