@@ -4,8 +4,8 @@ SHARDTRAIN_FAULT is a comma-separated list of KIND@STEP:
   nan@N   step N's gradients are NaN on every process (compiled into the step: only then does
           the step differ from the normal one);
   hang@N  process 0 sleeps inside step N (the others then wait in its collectives);
-  kill@N  the last process kills itself (SIGKILL) inside step N, once its local checkpoint writes
-          have landed (so that a test knows what the local tier holds);
+  kill@N  the last process kills itself (SIGKILL) inside step N, once the checkpoint writes in
+          flight have landed (so that a test knows what each tier holds);
   lose@N  the same, and it first deletes its part of the local tier (a host that does not come back).
 Each fault fires once per run directory: firing writes run_dir/faults/KIND@N, so a restarted
 job does not meet it again.
@@ -54,9 +54,9 @@ class Faults:
         self.marks.mkdir(parents=True, exist_ok=True)
         (self.marks / f"{kind}@{step}").touch()
 
-    def inside_step(self, step: int, local) -> None:
-        """Called by every process before it dispatches step `step`; `local`: this process's part
-        of the local checkpoint tier (a checkpoint.local.LocalTier) or None."""
+    def inside_step(self, step: int, persistent, local) -> None:
+        """Called by every process before it dispatches step `step`; `persistent`: the run's
+        manager.Checkpointer; `local`: this process's part of the local tier (local.LocalTier) or None."""
         if self.pending.get("nan") == step:
             self._mark("nan", step)
         if self.pending.get("hang") == step and self.index == 0:
@@ -65,6 +65,7 @@ class Faults:
         for kind in ("kill", "lose"):
             if self.pending.get(kind) == step and self.index == self.count - 1:
                 self._mark(kind, step)
+                persistent.wait()
                 if local is not None:
                     local.wait()
                 if kind == "lose" and local is not None:

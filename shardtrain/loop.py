@@ -312,7 +312,7 @@ class Run:
                                              cfg.train.steps, loader.read_threads(cfg)):
             done = i + 1
             self.clock.charge("data_wait")
-            self.faults.inside_step(done, self.local)
+            self.faults.inside_step(done, self.ckpt, self.local)
             profile.before(done)
             state, step_metrics = self.compiled(state, self.prog.device_batch(local_batch))
             log.hold(done, step_metrics, time.perf_counter() - iteration_end)
