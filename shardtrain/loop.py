@@ -15,6 +15,7 @@ import jax
 from models import is_adapter
 from shardtrain import (
     config as config_lib,
+    distributed,
     evaluate,
     faults,
     goodput,
@@ -124,6 +125,7 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodp
     opened.callback(preemption.close)
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
+    distributed.wait_for_peers("shardtrain_compiled", cfg.train.watchdog.startup_s)
     ckpt = opened.enter_context(contextlib.closing(
         manager.Checkpointer(cfg, prog.abstract_state, prog.mesh.shape)))
     local = (opened.enter_context(contextlib.closing(local_tier.LocalTier(cfg, prog.abstract_state)))
