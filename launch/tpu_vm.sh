@@ -3,7 +3,7 @@
 # all workers, installs it there, then starts `shardtrain train` on all of them at once. Each worker
 # is one JAX process; jax.distributed finds the others by itself (Cloud TPU detection).
 #
-#   launch/tpu_vm.sh [--dry-run] [--project ID] [--python python3.11] [--skip-install] \
+#   launch/tpu_vm.sh [--dry-run] [--project ID] [--python python3.11] [--skip-install] [--restarts R] \
 #       TPU_NAME ZONE CONFIG [KEY=VALUE ...]
 #
 #   --dry-run       print the gcloud commands instead of running them
@@ -11,6 +11,12 @@
 #   --python EXE    Python (>= 3.11) to build the venv with on the workers (default python3.11,
 #                   installed with apt when missing)
 #   --skip-install  the project is already installed on the workers: only start training
+#   --restarts R    when the training fails on a worker (a process died, was killed or hung: exit 70;
+#                   the others then stop by JAX's heartbeat), stop what is left of it on every worker
+#                   and start it again, up to R times, from the newest restorable checkpoint (the local
+#                   tier, checkpoint.local.directory=/dev/shm/..., when every worker still has it, else
+#                   the persistent one). Not after success, a config error (2), a non-finite stop (65)
+#                   or a preemption (75). Runs from this machine: keep it running (tmux, screen).
 #
 # Checkpoints must go to a directory every worker sees (checkpoint.directory=gs://BUCKET/...); the
 # workers then get the project's `gcs` extra (gcsfs) and jax[tpu] at the version pyproject.toml names.
@@ -21,13 +27,17 @@ dry_run=0
 project=()
 python=python3.11
 install=1
-usage() { echo "usage: $0 [--dry-run] [--project ID] [--python EXE] [--skip-install] TPU_NAME ZONE CONFIG [KEY=VALUE ...]" >&2; exit 2; }
+restarts=0
+usage() { echo "usage: $0 [--dry-run] [--project ID] [--python EXE] [--skip-install] [--restarts R] TPU_NAME ZONE CONFIG [KEY=VALUE ...]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case $1 in
     --dry-run) dry_run=1; shift ;;
     --project) [ $# -ge 2 ] || usage; project=(--project "$2"); shift 2 ;;
     --python) [ $# -ge 2 ] || usage; python=$2; shift 2 ;;
     --skip-install) install=0; shift ;;
+    --restarts)
+      case ${2:-} in '' | *[!0-9]*) echo "--restarts R: R must be a count >= 0, got '${2:-}'" >&2; exit 2 ;; esac
+      restarts=$2; shift 2 ;;
     -h | --help) usage ;;
     --*) echo "unknown option $1" >&2; usage ;;
     *) break ;;
@@ -84,4 +94,13 @@ if ((install)); then
   setup+="; .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e $project_spec 'jax[tpu]==$jax_version'"
   run "${tpu[@]}" ssh "$name" "${where[@]}" --command "$setup"
 fi
-run "${tpu[@]}" ssh "$name" "${where[@]}" --command "cd ~/shardtrain && ${train% }"
+attempt=0
+while :; do
+  code=0
+  run "${tpu[@]}" ssh "$name" "${where[@]}" --command "cd ~/shardtrain && ${train% }" || code=$?
+  case $code in 0 | 2 | 65 | 75) exit "$code" ;; esac
+  ((attempt < restarts)) || exit "$code"
+  attempt=$((attempt + 1))
+  echo "training failed (exit $code): restart $attempt of $restarts from the newest restorable checkpoint" >&2
+  run "${tpu[@]}" ssh "$name" "${where[@]}" --command "pkill -KILL -f '[.]venv/bin/shardtrain train' || true"
+done

@@ -1,4 +1,4 @@
-"""`shardtrain train | plan | prepare | eval | ckpt | import-hf | export-hf | generate`. Mistakes in user
+"""`shardtrain train | plan | prepare | eval | ckpt | goodput | import-hf | export-hf | generate`. Mistakes in user
 input exit 2 with one message, no traceback."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from shardtrain import config as config_lib, distributed
@@ -63,6 +64,7 @@ def mesh_devices(cfg: config_lib.RunConfig) -> int:
 
 
 def cmd_train(args) -> int:
+    started = time.time()
     cfg = config_lib.load(args.config, args.overrides)
     if cfg.checkpoint.init_from and Path(cfg.checkpoint.init_from).resolve() == Path(cfg.run_dir).resolve():
         raise config_lib.ConfigError(f"run_dir={cfg.run_dir} is checkpoint.init_from itself, so the run would resume "
@@ -70,6 +72,10 @@ def cmd_train(args) -> int:
     prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
     if not config_lib.is_url(cfg.checkpoint_dir()):
         prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
+    if cfg.checkpoint.local.directory:
+        prepare_dir(cfg.checkpoint.local.directory, "checkpoint.local.directory")
+    from shardtrain import faults
+    faults.parse(os.environ.get(faults.VARIABLE))  # a malformed SHARDTRAIN_FAULT stops before any work
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import loop
     from shardtrain.checkpoint import manager
@@ -77,10 +83,18 @@ def cmd_train(args) -> int:
     with leaving_on_error(cluster):
         enable_compile_cache(cfg)
         try:
-            return loop.train(cfg)
+            return loop.train(cfg, started)
         except manager.SaveFailed as e:
             print(f"{cluster.tag}: error: {e}", file=sys.stderr)
             return 1
+        except loop.NonFinite as e:
+            print(f"{cluster.tag}: error: {e}", file=sys.stderr, flush=True)
+            return loop.EXIT_NONFINITE
+
+
+def cmd_goodput(args) -> int:
+    from shardtrain import goodput
+    return goodput.main(args.run_dir, args.json)
 
 
 def cmd_plan(args) -> int:
@@ -248,6 +262,10 @@ def parser() -> argparse.ArgumentParser:
                     help="the run's YAML config (default: the run's config.yaml); a run dir, its checkpoints/ dir "
                     "(newest step) or one step's dir; dotted overrides, e.g. train.eval_steps=20")
     ev.set_defaults(func=cmd_eval, overrides=[])
+    gp = sub.add_parser("goodput", help="where a run's wall time went, across restarts, and its goodput")
+    gp.add_argument("run_dir")
+    gp.add_argument("--json", action="store_true", help='print {"wall_s", "goodput", "categories": {name: seconds}}')
+    gp.set_defaults(func=cmd_goodput)
     c = sub.add_parser("ckpt", help="list a run's checkpoints")
     c.add_argument("run_dir")
     c.set_defaults(func=cmd_ckpt)

@@ -168,6 +168,16 @@ class Cluster:
 LONE = Cluster()
 
 
+def wait_for_peers(key: str, timeout_s: float) -> None:
+    """A barrier of every process through JAX's coordination service (no device collective), so
+    that a process that compiled slower (a loaded host, a cold compile cache after a restart) does
+    not make the first collective with it time out (gloo gives up after 30 s). Once per `key`."""
+    import jax
+    if jax.process_count() > 1:
+        import orbax.checkpoint as ocp  # JAX's own API has no barrier with a timeout; orbax's wraps the client's
+        ocp.multihost.get_barrier_sync_fn()(key=key, timeout_ms=int(timeout_s * 1000))
+
+
 def initialize(env: Mapping[str, str] = os.environ) -> Cluster:
     """Joins the run described by the environment and says where this process stands in it;
     does nothing for a lone process (LONE)."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import signal
+import statistics
 import time
 from pathlib import Path
 
@@ -12,17 +15,23 @@ import jax
 from models import is_adapter
 from shardtrain import (
     config as config_lib,
+    distributed,
     evaluate,
+    faults,
+    goodput,
+    health,
     mesh as mesh_lib,
     optim,
     step as step_lib,
 )
-from shardtrain.checkpoint import listing, manager
+from shardtrain.checkpoint import listing, local as local_tier, manager
 from shardtrain.data import loader
 from shardtrain.hf import weights
 from shardtrain.metrics import Metrics
 
 EXIT_PREEMPTED = 75
+EXIT_NONFINITE = 65
+"""Exit code of a run stopped by a non-finite loss or gradient (train.on_nonfinite=stop; EX_DATAERR)."""
 
 
 class Preemption:
@@ -75,12 +84,13 @@ def mode_line(prog: step_lib.Program) -> str:
             f"params {t.param_dtype}; {comm}; {pipe}{accum}")
 
 
-def train(cfg: config_lib.RunConfig) -> int:
+def train(cfg: config_lib.RunConfig, started: float | None = None) -> int:
     """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
     A run whose checkpoints already reach train.steps is complete: it says so and returns 0
     without touching anything. Closes everything it opened on every exit path; raises
-    manager.SaveFailed if a checkpoint save fails; what the checkpoint library logs goes to
-    run_dir/shardtrain.log."""
+    manager.SaveFailed if a checkpoint save fails, NonFinite when train.on_nonfinite=stop meets a
+    non-finite step; what the checkpoint library logs goes to run_dir/shardtrain.log. `started`:
+    when this process started (time.time(); for the goodput record), default now."""
     committed = listing.committed_steps(cfg)
     if committed and max(committed) >= cfg.train.steps:
         say(f"run {cfg.run_dir} is complete: checkpoint step {max(committed)} reaches train.steps="
@@ -89,16 +99,25 @@ def train(cfg: config_lib.RunConfig) -> int:
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as opened:
         opened.enter_context(manager.library_log(cfg.run_dir))
-        return _train(cfg, opened)
+        clock = opened.enter_context(contextlib.closing(
+            goodput.Clock(cfg.run_dir, started or time.time(), write=jax.process_index() == 0)))
+        try:
+            code = _train(cfg, opened, clock)
+        except NonFinite:
+            clock.end("nonfinite")
+            raise
+        clock.end("done" if code == 0 else "preempted")
+        return code
 
 
-def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
+def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodput.Clock) -> int:
     """Build, then compile and start (or resume), then run the steps; `opened` closes what it opens."""
     sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
     dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     cfg, lr_line = optim.resolve_schedule(cfg, listing.newest_meta(cfg))  # a resume keeps the recorded schedule
-    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    injected = faults.Faults(cfg.run_dir, jax.process_index(), jax.process_count())
+    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), nan_at=injected.nan_step())
     evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
     if jax.process_index() == 0:
         _announce(prog, sources, lr_line)
@@ -106,14 +125,24 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack) -> int:
     opened.callback(preemption.close)
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
+    distributed.wait_for_peers("shardtrain_compiled", cfg.train.watchdog.startup_s)
     ckpt = opened.enter_context(contextlib.closing(
         manager.Checkpointer(cfg, prog.abstract_state, prog.mesh.shape)))
-    state, start = _start(prog, ckpt, init_from)
+    local = (opened.enter_context(contextlib.closing(local_tier.LocalTier(cfg, prog.abstract_state)))
+             if cfg.checkpoint.local.directory else None)
+    state, start, tier, restore_s = _start(prog, ckpt, local, init_from)
+    clock.ready(start, restore_s)
     say(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}")
     metrics = opened.enter_context(contextlib.closing(Metrics(cfg, prog.flops_per_token, start)))
     if start > 0:
-        metrics.event("resume", step=start)
-    return _run_steps(prog, compiled, state, start, dataset, ckpt, metrics, evaluator, preemption)
+        metrics.event("resume", step=start, tier=tier)
+    watchdog = health.Watchdog(cfg.train.watchdog, cfg.run_dir, jax.process_index())
+    opened.callback(watchdog.close)
+    run = Run(prog, compiled, ckpt, local, metrics, evaluator, preemption, clock, watchdog, injected)
+    code = run.steps(state, start, dataset)
+    metrics.goodput(goodput.report(cfg.run_dir) if jax.process_index() == 0 else None)
+    metrics.summary()  # a finished run's closing line (the ExitStack then closes what was opened)
+    return code
 
 
 def model_line(prog: step_lib.Program) -> str:
@@ -149,48 +178,96 @@ def _announce(prog: step_lib.Program, sources, lr_line: str) -> None:
     print(loader.describe(cfg, sources), flush=True)
 
 
-def _start(prog: step_lib.Program, ckpt: manager.Checkpointer, init_from) -> tuple[dict, int]:
-    """(state, first step): the newest readable checkpoint, else the weights of checkpoint.init_from
-    (a resume wins over init_from), else a fresh model from train.seed."""
+def _start(prog: step_lib.Program, ckpt: manager.Checkpointer, local: local_tier.LocalTier | None,
+           init_from) -> tuple[dict, int, str | None, float]:
+    """(state, first step, tier, seconds spent restoring): the newest restorable checkpoint of
+    either tier, else the weights of checkpoint.init_from (a resume wins over init_from), else a
+    fresh model from train.seed."""
     cfg = prog.cfg
-    restored = ckpt.restore_latest(say=say)
+    t0 = time.perf_counter()
+    restored = local_tier.restore_newest(ckpt, local, say=say)
+    restore_s = time.perf_counter() - t0
     if restored is None and init_from is not None:
         state = weights.initial_state(prog, init_from)
         say(f"starting from the weights of {init_from.step_dir or init_from.path} (step 0, fresh optimizer state)")
-        return state, 0
-    if restored is None:
-        return prog.init(cfg.train.seed), 0
-    state, meta = restored
-    start = manager.start_step_from(meta, cfg)
-    say(f"resuming from checkpoint step {start} (written on mesh {listing.describe_mesh(meta)}; "
-        f"data position {meta['data_position']} samples)")
-    return state, start
+        start, tier = 0, None
+    elif restored is None:
+        state, start, tier = prog.init(cfg.train.seed), 0, None
+    else:
+        state, meta, tier = restored
+        start = manager.start_step_from(meta, cfg)
+        where = "local tier, " if tier == "local" else ""
+        say(f"resuming from checkpoint step {start} ({where}written on mesh {listing.describe_mesh(meta)}; "
+            f"data position {meta['data_position']} samples)")
+    if local is not None:
+        local.forget_after(start)
+    return state, start, tier, restore_s
+
+
+class NonFinite(RuntimeError):
+    """train.on_nonfinite=stop met a step whose loss or gradient norm is not finite."""
+
+    def __init__(self, step: int, values: dict):
+        shown = ", ".join(f"{k} {values[k]}" for k in ("loss", "grad_norm") if k in values)
+        super().__init__(f"non-finite loss or gradients at step {step} ({shown}); stopped without saving "
+                         f"anything from it (train.on_nonfinite=stop; train.on_nonfinite=skip skips such steps)")
+        self.step = step
 
 
 class StepLog:
     """Logs each step's metrics once the next step is dispatched (reading them waits for their
-    step), with the time since the previous step finished (evaluation and saves excluded)."""
+    step), with the time since the previous step finished (evaluation and saves excluded). Reading
+    a step's values is where a non-finite step is found, a hang watchdog is told of progress, and
+    (at log steps, with several processes) the processes' host times are compared."""
 
-    def __init__(self, metrics: Metrics):
-        self.metrics, self.pending, self.last_done = metrics, None, time.perf_counter()
+    def __init__(self, metrics: Metrics, cfg: config_lib.RunConfig, watchdog: health.Watchdog):
+        self.metrics, self.cfg, self.watchdog = metrics, cfg, watchdog
+        self.pending, self.last_done, self.skipped = None, time.perf_counter(), 0
+        self.stragglers = health.Stragglers(cfg.train.watchdog, jax.process_count())
+        self.host_times: list[float] = []
 
-    def hold(self, step: int, values: dict) -> None:
-        """Logs the step before, then keeps `values` (device arrays) of `step`, just dispatched."""
+    def hold(self, step: int, values: dict, host_s: float) -> None:
+        """Logs the step before, then keeps `values` (device arrays) of `step`, just dispatched;
+        host_s: this process's time to get the step's batch and dispatch it."""
         self.flush()
         self.pending = (step, values)
+        self.host_times.append(host_s)
 
     def flush(self) -> None:
-        if self.pending is not None:
-            values = {k: float(v) for k, v in self.pending[1].items()}  # waits for that step
-            now = time.perf_counter()
-            self.metrics.log(self.pending[0], values, now - self.last_done)
-            self.last_done, self.pending = now, None
+        if self.pending is None:
+            return
+        step, values = self.pending[0], {k: float(v) for k, v in self.pending[1].items()}  # waits for that step
+        now = time.perf_counter()
+        step_time, self.last_done, self.pending = now - self.last_done, now, None
+        self.watchdog.beat(step, step_time)
+        if not all(math.isfinite(values.get(k, 0.0)) for k in ("loss", "grad_norm")):
+            if self.cfg.train.on_nonfinite == "stop":
+                raise NonFinite(step, values)
+            self.skipped += 1
+            self.metrics.event("nonfinite", step=step, action="skip", skipped_total=self.skipped)
+            self.metrics.message(f"step {step}: non-finite loss or gradients; skipped it "
+                                 f"(parameters and optimizer state unchanged; {self.skipped} skipped so far)")
+        extra = self._host_times(step, step_time) if step % self.cfg.train.log_every == 0 else {}
+        self.metrics.log(step, values, step_time, extra)
+
+    def _host_times(self, step: int, step_time: float) -> dict:
+        """{host_s_max, host_s_median} over the processes; names a straggler once it is one."""
+        mine = sum(self.host_times) / max(len(self.host_times), 1)
+        self.host_times = []
+        if not self.stragglers.on:
+            return {}
+        times = health.gather_host_times(mine)
+        median = statistics.median(times)
+        for p in self.stragglers.update(times, step_time):
+            self.metrics.event("straggler", step=step, process=p, host_s=times[p], median_host_s=median)
+            self.metrics.message(f"straggler: process {p} took {times[p]:.3f} s of host time per step "
+                                 f"({times[p] / max(median, 1e-9):.1f}x the median {median:.3f} s) for "
+                                 f"{self.cfg.train.watchdog.straggler_logs} log steps")
+        return {"host_s_max": max(times), "host_s_median": median, "slowest_process": times.index(max(times))}
 
     def restart_clock(self) -> None:
         """What ran since the last step (an evaluation, a save's blocking part) is not a step's time."""
         self.last_done = time.perf_counter()
-
-
 class ProfileWindow:
     """Steps train.profile_steps[0]..[1] (1-based) run inside a jax.profiler trace."""
 
@@ -213,40 +290,79 @@ class ProfileWindow:
             self.tracing = False
 
 
-def _run_steps(prog, compiled, state, start, dataset, ckpt, metrics, evaluator, preemption) -> int:
-    """The steps start..train.steps: evaluation, checkpoints, a save and exit 75 on preemption."""
-    cfg = prog.cfg
-    log, profile = StepLog(metrics), ProfileWindow(cfg)
-    exit_code = 0
-    for i, local_batch in loader.batches(dataset, cfg.train.global_batch_size, prog.local_rows(), start,
-                                         cfg.train.steps, loader.read_threads(cfg)):
-        done = i + 1
-        profile.before(done)
-        state, step_metrics = compiled(state, prog.device_batch(local_batch))
-        log.hold(done, step_metrics)
-        profile.after(done, state)
-        if preemption.reached(done):
+@dataclasses.dataclass
+class Run:
+    """What the steps use: the program, checkpoint tiers, metrics, and the watchers."""
+
+    prog: step_lib.Program
+    compiled: object
+    ckpt: manager.Checkpointer
+    local: local_tier.LocalTier | None
+    metrics: Metrics
+    evaluator: evaluate.Evaluator | None
+    preemption: Preemption
+    clock: goodput.Clock
+    watchdog: health.Watchdog
+    faults: faults.Faults
+
+    def steps(self, state, start: int, dataset) -> int:
+        """The steps start..train.steps: evaluation, checkpoints, a save and exit 75 on preemption."""
+        cfg = self.prog.cfg
+        log, profile = StepLog(self.metrics, cfg, self.watchdog), ProfileWindow(cfg)
+        exit_code, iteration_end = 0, time.perf_counter()
+        for i, local_batch in loader.batches(dataset, cfg.train.global_batch_size, self.prog.local_rows(), start,
+                                             cfg.train.steps, loader.read_threads(cfg)):
+            done = i + 1
+            self.clock.charge("data_wait")
+            self.faults.inside_step(done, self.ckpt, self.local)
+            profile.before(done)
+            state, step_metrics = self.compiled(state, self.prog.device_batch(local_batch))
+            log.hold(done, step_metrics, time.perf_counter() - iteration_end)
+            self.clock.step(done)
+            profile.after(done, state)
+            if self.preemption.reached(done):
+                log.flush()
+                with self.watchdog.slow():
+                    self.ckpt.save(done, state)
+                    self.ckpt.wait()
+                self.metrics.event("preempted", step=done)
+                self.metrics.message(f"preempted at step {done}; rerun the same command to resume")
+                exit_code = EXIT_PREEMPTED
+                break
+            if self.evaluator and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+                log.flush()
+                with self.watchdog.slow():
+                    self.metrics.log_eval(done, self.evaluator(state["params"]))
+                self.clock.charge("eval")
+                log.restart_clock()
+            self.save(done, state, log)
+            iteration_end = time.perf_counter()
+        log.flush()
+        profile.stop()  # preempted inside the traced steps
+        with self.watchdog.slow():
+            self.ckpt.wait()
+            if self.local is not None:
+                self.local.wait()
+        self.clock.charge("checkpoint_save")
+        return exit_code
+
+    def save(self, done: int, state, log: StepLog) -> None:
+        """A persistent checkpoint every checkpoint.every_steps and at the last step, else a local one
+        every checkpoint.local.every_steps; never of a step not yet read back (it may be non-finite)."""
+        cfg = self.prog.cfg
+        persistent = done % cfg.checkpoint.every_steps == 0 or done == cfg.train.steps
+        local = self.local is not None and done % cfg.checkpoint.local.every_steps == 0
+        if persistent or local:
             log.flush()
-            ckpt.save(done, state)
-            ckpt.wait()
-            metrics.event("preempted", step=done)
-            metrics.message(f"preempted at step {done}; rerun the same command to resume")
-            exit_code = EXIT_PREEMPTED
-            break
-        if evaluator and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
-            log.flush()
-            metrics.log_eval(done, evaluator(state["params"]))
+            with self.watchdog.slow():
+                if persistent:
+                    self.ckpt.save(done, state)
+                else:
+                    self.local.save(done, state, self.ckpt.meta(done))
+                    manager.lower_writer_priority(cfg.checkpoint.writer_niceness)
+            self.clock.charge("checkpoint_save")
             log.restart_clock()
-        if done % cfg.checkpoint.every_steps == 0 or done == cfg.train.steps:
-            log.flush()
-            ckpt.save(done, state)
-            log.restart_clock()
-        ckpt.check()  # a failed async save raises manager.SaveFailed at the next step boundary
-    log.flush()
-    profile.stop()  # preempted inside the traced steps
-    ckpt.wait()
-    metrics.summary()  # a finished run's closing line (the ExitStack then closes what was opened)
-    return exit_code
+        self.ckpt.check()  # a failed async save raises manager.SaveFailed at the next step boundary
 
 
 def bare_loop_batches(prog: step_lib.Program, steps: int) -> list[jax.Array]:

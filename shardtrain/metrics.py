@@ -53,13 +53,14 @@ class Metrics:
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
             self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, values: dict, step_time: float) -> None:
-        """`values` are host floats for completed step `step` (1-based count of updates)."""
+    def log(self, step: int, values: dict, step_time: float, extra: dict | None = None) -> None:
+        """`values` are host floats for completed step `step` (1-based count of updates); `extra`:
+        more fields for the row (the processes' host times)."""
         self.step_times.append(step_time)
         loss = values["loss"]
         self.losses.append((step, loss))
         row = {"step": step, **values, "step_time_s": step_time,
-               "tokens_per_s": self.tokens_per_step / step_time}
+               "tokens_per_s": self.tokens_per_step / step_time, **(extra or {})}
         if self.peak_flops:
             row["mfu"] = self.flops_per_step / step_time / self.peak_flops
         if not math.isfinite(loss):
@@ -70,7 +71,7 @@ class Metrics:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
             for k, v in row.items():
-                if k != "step" and isinstance(v, float):
+                if k not in ("step", "slowest_process") and isinstance(v, float):
                     self.tb.add_scalar(k, v, step)
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
@@ -90,6 +91,22 @@ class Metrics:
         if self.main:
             self.file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
             self.file.flush()
+
+    def goodput(self, report: dict | None) -> None:
+        """The run's goodput so far (goodput.report, across restarts): a metrics.jsonl event,
+        TensorBoard scalars goodput/*, and a console line."""
+        if not self.main or report is None:
+            return
+        step = self.losses[-1][0] if self.losses else 0
+        self.event("goodput", step=step, goodput=report["goodput"], wall_s=report["wall_s"],
+                   categories=report["categories"])
+        self.tb.add_scalar("goodput/fraction", report["goodput"], step)
+        for name, seconds in report["categories"].items():
+            self.tb.add_scalar(f"goodput/{name}_s", seconds, step)
+        lost = sorted(((s, n) for n, s in report["categories"].items() if n != "productive_steps"), reverse=True)[:3]
+        self.message(f"goodput {report['goodput']:.3f} of {report['wall_s']:.0f} s over {report['starts']} start(s); "
+                     f"most lost to {', '.join(f'{n} {s:.0f} s' for s, n in lost)} "
+                     f"(shardtrain goodput {self.dir})")
 
     def message(self, text: str) -> None:
         """A console line from process 0 that does not break the progress bar."""

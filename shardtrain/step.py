@@ -275,13 +275,17 @@ def make_loss_and_grads(cfg: RunConfig, loss_sums: Callable, constrain) -> Calla
     return loss_and_grads
 
 
-def update_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
+def update_fn(cfg: RunConfig, tx: optax.GradientTransformation, nan_at: int | None = None) -> Callable:
     """(state, losses, grads) -> (state, metrics): applies reduced gradients; params, opt and step
     advance, other state entries pass through. `losses`: the dict loss_and_grads returns (`loss`
-    and any auxiliary losses), all logged."""
+    and any auxiliary losses), all logged. `nan_at`: a fault for tests (shardtrain/faults.py):
+    that step's gradients are NaN."""
     lr = optim.schedule(cfg)
 
     def update(state, losses, grads):
+        if nan_at is not None:
+            poison = jnp.where(state["step"] == nan_at - 1, jnp.nan, 1.0)
+            grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {**losses, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
@@ -289,10 +293,21 @@ def update_fn(cfg: RunConfig, tx: optax.GradientTransformation) -> Callable:
     return update
 
 
+def skipping_nonfinite(train_step: Callable) -> Callable:
+    """train.on_nonfinite=skip: a step whose loss or gradient norm is not finite leaves every state
+    entry as it was (parameters, optimizer and communication state) but the step counter."""
+    def step(state, batch):
+        new, metrics = train_step(state, batch)
+        ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        kept = {k: jax.tree.map(lambda n, o: jnp.where(ok, n, o), v, state[k]) for k, v in new.items() if k != "step"}
+        return {**kept, "step": new["step"]}, metrics
+    return step
+
+
 # ----------------------------------------------------------------------------- build
 
 
-def build(cfg: RunConfig, mesh: Mesh) -> Program:
+def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     """The one compiled train step of `cfg` on `mesh` (trainer and planner both call this), and
     what later code needs of it, each made once:
 
@@ -302,6 +317,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
     4. update and fresh state: the optimizer step (comm.py wraps 3-4 for compressed reduction or
        local SGD, and adds its state entries);
     5. jit: `init` creates the state already sharded, `step` donates it, `eval_step` sums the loss.
+    `nan_at`: a fault for tests (SHARDTRAIN_FAULT=nan@N) that makes step N's gradients NaN.
     """
     constrain = sharding.Constrain(cfg.rules, mesh)
     schedule = pipeline_schedule(cfg, mesh, constrain)  # first: the pipeline's errors name layers, stages, repeats
@@ -313,7 +329,7 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
     batch = batch_sharding(cfg, mesh)
     loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder)                       # 3
     loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)
-    fresh, update = fresh_state_fn(tx), update_fn(cfg, tx)                                    # 4
+    fresh, update = fresh_state_fn(tx), update_fn(cfg, tx, nan_at)                            # 4
 
     def train_step(state, batch):
         return update(state, *loss_and_grads(state["params"], batch))
@@ -328,6 +344,8 @@ def build(cfg: RunConfig, mesh: Mesh) -> Program:
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
         shardings, fresh, train_step = comm.build(
             cfg, mesh, comm.Base(shardings, layout.params, fresh, update, replica_loss_and_grads))
+    if cfg.train.on_nonfinite == "skip":
+        train_step = skipping_nonfinite(train_step)
     sums, replicated = (lambda p, b: loss_sums(p, b)[:2]), shardings["step"]
 
     return Program(                                                                           # 5

@@ -192,7 +192,8 @@ def check_statically(c: Command, tmp_path) -> None:
 
     argv = c.argv
     if argv[0] == "launch/local.sh":  # N processes of one `shardtrain train CONFIG ...` on 8 devices
-        argv = ["shardtrain", "train", *argv[2:]]
+        argv = argv[2:] if argv[1] != "--restarts" else argv[4:]
+        argv = ["shardtrain", "train", *argv]
     try:
         args = cli.parser().parse_args(argv[1:])
     except SystemExit as e:  # argparse: an unknown subcommand or option

@@ -58,6 +58,7 @@ def test_tpu_vm_skip_install_and_bad_input():
     (["two", "meshes/demo.yaml"], "N must be a positive integer, got 'two'"),
     (["2", "meshes/missing.yaml"], "config file 'meshes/missing.yaml' does not exist"),
     (["2"], "usage: "),
+    (["--restarts", "-1", "2", "meshes/demo.yaml"], "--restarts R: R must be a count >= 0, got '-1'"),
 ])
 def test_local_sh_rejects_bad_input(args, message):
     r = run("launch/local.sh", *args)

@@ -301,3 +301,31 @@ def test_export_hf_from_two_processes_writes_the_same_tensors(tmp_path):
     a = safetensors_io.Reader(safetensors_files(out))
     b = safetensors_io.Reader(safetensors_files(fixture))
     assert sorted(a.names()) == sorted(b.names()) and all(np.array_equal(a.get(n), b.get(n)) for n in b.names())
+
+
+def test_restarts_survive_a_hang_and_a_lost_local_copy_with_exact_losses(one_process, tmp_path):
+    """One supervised 2-process run (local tier every 2 steps, persistent every 3) meets two faults:
+    process 0 hangs in step 3 -> the watchdogs write stacks and exit 70, local.sh restarts, the job
+    resumes from the local tier (step 2); process 1 dies in step 5 with its local copy (a host that
+    does not come back) -> the restart falls back to the persistent tier (step 3), though process 0
+    still holds local step 4. The losses are the uninterrupted run's; goodput adds up, with the
+    redone steps and the restart gaps."""
+    run_dir = tmp_path / "run"
+    tiers = [f"checkpoint.local.directory={tmp_path / 'local'}", "checkpoint.local.every_steps=2"]
+    watchdog = ["train.watchdog.startup_s=60", "train.watchdog.hang_min_s=10"]
+    r = subprocess.run(["launch/local.sh", "--restarts", "2", "2", "meshes/demo.yaml", f"run_dir={run_dir}", *TINY,
+                        *PLAIN, "train.steps=6", *tiers, *watchdog], cwd=REPO, capture_output=True, text=True,
+                       env={**env(), "SHARDTRAIN_FAULT": "hang@3,lose@5"}, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "exited with 70 (hung" in out and "local.sh: restart 2 of 2" in out
+    assert "Thread" in "".join(p.read_text() for p in run_dir.glob("hang-process*.txt"))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [(e["step"], e["tier"]) for e in rows if e.get("event") == "resume"] == [(2, "local"), (3, "persistent")]
+    assert "local checkpoint step 4 is not held whole by every process" in out
+    assert_close({e["step"]: e["loss"] for e in rows if "loss" in e}, losses(one_process), range(1, 7))
+    from shardtrain import goodput
+    report = goodput.report(run_dir)
+    assert report["starts"] == 3 and sum(report["categories"].values()) == pytest.approx(report["wall_s"])
+    assert report["categories"]["redone_steps"] > 0 and report["categories"]["restart_gap"] > 0
+    assert any(e.get("event") == "goodput" for e in rows)

@@ -238,19 +238,18 @@ class Checkpointer:
     def save(self, step: int, state: dict) -> None:
         """Starts an async save of `state` (after `step` updates); returns once arrays are copied.
         Raises SaveFailed if the previous save failed."""
-        meta = {
-            "step": step,
-            "data_position": step * self.cfg.train.global_batch_size,
-            "mesh": self.mesh_shape,
-            "devices": jax.device_count(),
-            "processes": jax.process_count(),
-            "config": config_lib.to_dict(self.cfg),
-        }
+        meta = self.meta(step)
         self._raising(self.manager.wait_until_finished)
         self.saving_step = step
         self._raising(lambda: self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)), force=True))
         lower_writer_priority(self.cfg.checkpoint.writer_niceness)
+
+    def meta(self, step: int) -> dict:
+        """The metadata saved with step `step`: data position, mesh, device and process counts, config."""
+        return {"step": step, "data_position": step * self.cfg.train.global_batch_size, "mesh": self.mesh_shape,
+                "devices": jax.device_count(), "processes": jax.process_count(),
+                "config": config_lib.to_dict(self.cfg)}
 
     def check(self) -> None:
         """Raises SaveFailed if a finished async save failed; never blocks on one in flight."""

@@ -19,6 +19,7 @@ from shardtrain.config.schema import (
     DataConfig,
     DcnConfig,
     HardwareConfig,
+    LocalTierConfig,
     LoraConfig,
     MeshConfig,
     MixtureEntry,
@@ -30,6 +31,7 @@ from shardtrain.config.schema import (
     RulesConfig,
     RunConfig,
     TrainConfig,
+    WatchdogConfig,
     is_url,
     mesh_axes,
 )
@@ -37,8 +39,8 @@ from shardtrain.config.validate import validate, validate_hardware, validate_opt
 
 __all__ = [
     "MESH_AXES", "MOVED", "AxisRule", "CheckpointConfig", "CommConfig", "ConfigError", "DataConfig", "DcnConfig",
-    "HardwareConfig", "LoraConfig", "MeshConfig", "MixtureEntry", "ModelConfig", "MoeConfig", "OptimizerConfig",
-    "PipelineConfig", "RopeScalingConfig", "RulesConfig", "RunConfig", "TrainConfig", "absolute", "dump",
-    "from_dict", "is_url", "load", "mesh_axes", "read_yaml", "resolve_paths", "to_dict", "validate",
-    "validate_hardware", "validate_optimizer",
+    "HardwareConfig", "LocalTierConfig", "LoraConfig", "MeshConfig", "MixtureEntry", "ModelConfig", "MoeConfig",
+    "OptimizerConfig", "PipelineConfig", "RopeScalingConfig", "RulesConfig", "RunConfig", "TrainConfig",
+    "WatchdogConfig", "absolute", "dump", "from_dict", "is_url", "load", "mesh_axes", "read_yaml", "resolve_paths",
+    "to_dict", "validate", "validate_hardware", "validate_optimizer",
 ]

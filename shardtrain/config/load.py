@@ -191,7 +191,9 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(
         cfg, run_dir=absolute(cfg.run_dir or str(Path("runs") / cfg.name)),
         checkpoint=dataclasses.replace(cfg.checkpoint, directory=absolute(cfg.checkpoint.directory),
-                                       init_from=absolute(cfg.checkpoint.init_from)),
+                                       init_from=absolute(cfg.checkpoint.init_from),
+                                       local=dataclasses.replace(cfg.checkpoint.local,
+                                                                 directory=absolute(cfg.checkpoint.local.directory))),
         data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), mixture=tuple(
             dataclasses.replace(e, path=absolute(e.path)) for e in cfg.data.mixture)))
 

@@ -309,6 +309,25 @@ class CommConfig:
 
 
 @dataclass(frozen=True)
+class WatchdogConfig:
+    """Hangs and stragglers (shardtrain/health.py). A hang: no step finished for
+    max(hang_factor x the median step time, hang_min_s), or startup_s before the first step of a
+    start; every process then writes its Python stacks to run_dir and exits 70."""
+
+    hang_factor: float = 20.0
+    """A step is hung after this many median step times (0: no hang watchdog)."""
+    hang_min_s: float = 120.0
+    """Never call a step hung before this many seconds."""
+    startup_s: float = 1800.0
+    """The limit until a start (or restart) has finished its first step, and during saves and evaluations."""
+    straggler_factor: float = 1.5
+    """With several processes: a process whose host time per step (data, dispatch) exceeds the
+    median process's by this factor on straggler_logs consecutive log steps is named (0: off)."""
+    straggler_logs: int = 3
+    """Consecutive log steps a process must be slow before it is named."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """The training loop: steps, batch, seed, precision, recomputation, evaluation and profiling,
     with the pipeline schedule and replica communication in their own sections."""
@@ -356,6 +375,26 @@ class TrainConfig:
     """Pipeline schedule (used when mesh.pipeline > 1)."""
     comm: CommConfig = field(default_factory=CommConfig)
     """How replicas reduce gradients and synchronise (the default: float32, every step)."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is not finite: `stop` says `step N`, saves nothing from it
+    and exits 65; `skip` leaves parameters and optimizer state as they were before that step and
+    counts it (metrics.jsonl: {"event": "nonfinite", "step": N, "action": "skip"})."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Hang watchdog and straggler report."""
+
+
+@dataclass(frozen=True)
+class LocalTierConfig:
+    """A fast local checkpoint tier beside the persistent one (shardtrain/checkpoint/local.py):
+    every process writes its own shards to a directory on its own host (a RAM disk such as
+    /dev/shm, a local SSD), often; on start the newest step that every process can restore wins."""
+
+    directory: Optional[str] = None
+    """A local directory on every host (processes of one host may share it); null: no local tier."""
+    every_steps: int = 10
+    """Save locally every this many steps; must be smaller than checkpoint.every_steps."""
+    max_to_keep: int = 2
+    """Local steps each process keeps."""
 
 
 @dataclass(frozen=True)
@@ -370,6 +409,8 @@ class CheckpointConfig:
     """Also keep every step that is a multiple of this."""
     directory: Optional[str] = None
     """Default: run_dir/checkpoints. A local path or gs:// URL."""
+    local: LocalTierConfig = field(default_factory=LocalTierConfig)
+    """The local tier (off unless local.directory is set)."""
     writer_niceness: int = 19
     """CPU niceness (0-19, Linux) of the threads that write an async save, so that it runs on CPU
     time the training leaves idle instead of slowing the steps; 0: the training's own priority."""

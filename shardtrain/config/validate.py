@@ -26,6 +26,7 @@ from shardtrain.config.schema import (
     RulesConfig,
     RunConfig,
     TrainConfig,
+    WatchdogConfig,
     is_url,
     mesh_axes,
 )
@@ -89,6 +90,16 @@ def validate_train(t: TrainConfig, seq_len: int) -> None:
                           f"train.grad_accum_steps={t.grad_accum_steps}")
     validate_pipeline(t.pipeline)
     validate_comm(t.comm)
+    validate_watchdog(t.watchdog)
+
+
+def validate_watchdog(w: WatchdogConfig) -> None:
+    for name in ("hang_factor", "hang_min_s", "startup_s", "straggler_factor"):
+        if getattr(w, name) < 0:
+            raise ConfigError(f"train.watchdog.{name}: must be >= 0, got {getattr(w, name)}")
+    if 0 < w.straggler_factor <= 1:
+        raise ConfigError(f"train.watchdog.straggler_factor: must be > 1 (or 0: off), got {w.straggler_factor}")
+    at_least_one([("train.watchdog.straggler_logs", w.straggler_logs)])
 
 
 def validate_pipeline(p: PipelineConfig) -> None:
@@ -129,7 +140,14 @@ def validate_optimizer(o: OptimizerConfig) -> None:
 
 
 def validate_checkpoint(c: CheckpointConfig) -> None:
-    at_least_one([("checkpoint.every_steps", c.every_steps)])
+    at_least_one([("checkpoint.every_steps", c.every_steps), ("checkpoint.local.every_steps", c.local.every_steps),
+                  ("checkpoint.local.max_to_keep", c.local.max_to_keep)])
+    if c.local.directory is not None and is_url(c.local.directory):
+        raise ConfigError(f"checkpoint.local.directory={c.local.directory}: must be a directory on each host "
+                          "(e.g. /dev/shm/run or a local SSD), not a URL; checkpoint.directory is the persistent tier")
+    if c.local.directory is not None and c.local.every_steps >= c.every_steps:
+        raise ConfigError(f"checkpoint.local.every_steps={c.local.every_steps} must be smaller than the persistent "
+                          f"checkpoint.every_steps={c.every_steps} (the local tier is the frequent one)")
     if not 0 <= c.writer_niceness <= 19:
         raise ConfigError(f"checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), "
                           f"got {c.writer_niceness}")
