@@ -62,6 +62,7 @@ def main(argv=None):
     plan = planner.report(prog, compiled, chip or chips.CHIPS["cpu"], compile_s)
     print(json.dumps({
         "device": device.device_kind, "params_b": round(n_params / 1e9, 3), "attention": cfg.model.attention,
+        "quantization": cfg.train.quantization, "remat": cfg.train.remat,
         "seq_len": cfg.data.seq_len, "batch": cfg.train.global_batch_size, "compile_s": round(compile_s, 1),
         "step_s": round(step_s, 4), "tokens_per_s": round(tokens_per_s),
         "mfu": round(flops / chip.peak_flops, 3) if chip else None,
