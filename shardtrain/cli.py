@@ -296,13 +296,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> None:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line's arguments; config overrides may also follow the flags: plan X --chip v5e k=v."""
     p = parser()
-    args, extra = p.parse_known_args(argv)  # overrides may also follow the flags: plan X --chip v5e k=v
+    args, extra = p.parse_known_args(argv)
     if extra and (not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
     skip_absent_accelerators()
     try:
         code = args.func(args)

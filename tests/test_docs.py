@@ -195,7 +195,7 @@ def check_statically(c: Command, tmp_path) -> None:
         argv = argv[2:] if argv[1] != "--restarts" else argv[4:]
         argv = ["shardtrain", "train", *argv]
     try:
-        args = cli.parser().parse_args(argv[1:])
+        args = cli.parse(argv[1:])
     except SystemExit as e:  # argparse: an unknown subcommand or option
         raise AssertionError(f"{c.id}: `{c.text}`: the CLI rejects its arguments (exit {e.code})") from None
     if args.command == "plan" and args.devices is not None and args.devices < 1:

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from conftest import cli_env
-from shardtrain import config, mesh as mesh_lib, sharding, step
+from shardtrain import cli, config, mesh as mesh_lib, sharding, step
 from shardtrain.plan import chips, planner, topology
 
 # An MLP whose sharded dimensions are 4 x 128 (TPU arrays are tiled by 8 x 128: with smaller
@@ -163,13 +163,15 @@ def test_multi_slice_plan_counts_the_reduction_across_slices():
 
 
 SHIPPED = sorted(glob.glob("meshes/*.yaml"))
-TPU_SHIPPED = [p for p in SHIPPED if config.load(p).hardware.topology]
+FULL_REMAT = [p for p in SHIPPED if config.load(p).hardware.chip and config.load(p).train.remat == "full"]
+"""The large configs: planned at 2 layers, what depth adds counted exactly (a full compile takes minutes)."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [p for p in SHIPPED if p not in TPU_SHIPPED])
+@pytest.mark.parametrize("path", [p for p in SHIPPED if p not in FULL_REMAT])
 def test_every_shipped_config_fits_the_hardware_it_names(path):
-    """`shardtrain plan CONFIG`, no flags: GPU configs through XLA:GPU (compile-only), demo on cpu."""
+    """`shardtrain plan CONFIG`, no flags, at full depth: GPU configs through XLA:GPU (compile-only),
+    demo on cpu."""
     env = cli_env()  # the CLI sets the mesh's device count
     out = subprocess.run([sys.executable, "-m", "shardtrain.cli", "plan", path, "--json"], env=env,
                          capture_output=True, text=True, timeout=1200)
@@ -182,19 +184,19 @@ def test_every_shipped_config_fits_the_hardware_it_names(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", TPU_SHIPPED)
-def test_every_shipped_tpu_config_fits_its_topology(path):
-    """The TPU compiler on the config's own topology, at 2 layers (a full compile takes minutes; the
-    acceptance script and `shardtrain plan CONFIG` compile all of them): what depth adds per chip is
-    the state of the other layers (exact, from the abstract state) and, with train.remat=full, each
-    layer's saved bf16 input; both are added before comparing with the chip's memory."""
+@pytest.mark.parametrize("path", FULL_REMAT)
+def test_every_large_shipped_config_fits_its_topology(path):
+    """The config's own compiler (TPU, or XLA:GPU compile-only) on its own topology, at 2 layers (a
+    full compile takes minutes; the acceptance scripts and `shardtrain plan CONFIG` compile all of
+    them): what depth adds per chip is the state of the other layers (exact, from the abstract state)
+    and, with train.remat=full, each layer's saved bf16 input; both are added before comparing with
+    the chip's memory."""
     cfg = config.load(path)
     short = config.load(path, ["model.n_layers=2"])
-    hw = cfg.hardware
-    chip, devices = chips.CHIPS[hw.chip], list(topology.devices(chips.CHIPS[hw.chip], hw.topology, hw.slices))
-    assert cfg.train.remat == "full" and cfg.train.compute_dtype == "bfloat16"
+    devices, chip = planner.target(cfg, cli.mesh_devices(cfg))
+    assert cfg.train.compute_dtype == "bfloat16"
     r = planner.plan_one(short, devices, chip)
-    assert r["compiler"] == "tpu" and r["chip"] == hw.chip
+    assert r["compiler"] == ("gpu" if chip.gpu else "tpu") and r["chip"] == cfg.hardware.chip
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     progs = {c.model.n_layers: step.build(c, mesh) for c in (cfg, short)}
     state = {n: sharding.shard_bytes(p.abstract_state) for n, p in progs.items()}
