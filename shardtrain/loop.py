@@ -115,7 +115,9 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodp
     sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
     dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
-    cfg, lr_line = optim.resolve_schedule(cfg, listing.newest_meta(cfg))  # a resume keeps the recorded schedule
+    resumed = listing.newest_meta(cfg)
+    optim.check_resume(cfg, resumed, listing.directory(cfg))  # another optimizer's state fails here, not at restore
+    cfg, lr_line = optim.resolve_schedule(cfg, resumed)  # a resume keeps the recorded schedule
     injected = faults.Faults(cfg.run_dir, jax.process_index(), jax.process_count())
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), nan_at=injected.nan_step())
     evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
