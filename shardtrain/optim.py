@@ -1,4 +1,11 @@
-"""The optax optimizer and learning-rate schedule from the config."""
+"""The optax optimizer and learning-rate schedule from the config, and the sharding of its state.
+
+`make`: optimizer.name (adamw, adafactor, muon, lion) after global-norm clipping, only the LoRA
+adapters with model.lora.rank > 0. `schedule`: linear warmup, then cosine, wsd (warmup-stable-decay,
+a linear decay over the last decay_fraction) or constant; `resolve_schedule` / `describe` keep it
+across a resume and say it in one line. `state_specs`: every optimizer-state leaf's PartitionSpec,
+derived from its parameter's (step.py turns them into the state's shardings).
+"""
 
 from __future__ import annotations
 
@@ -126,6 +133,7 @@ def decayed(params) -> dict:
 
 
 def clipped(cfg: RunConfig, names: dict) -> optax.GradientTransformation:
+    """Global-norm clipping, then optimizer.name with the schedule (README: Optimizers and schedules)."""
     o, lr = cfg.optimizer, schedule(cfg)
     if o.name == "adamw":
         tx = optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decayed)
@@ -164,7 +172,6 @@ def muon_matrices(names: dict) -> dict:
         return optax.contrib.MuonDimensionNumbers(reduction_axis=(axes[0],), output_axis=tuple(axes[1:]))
     leaves = jax.tree_util.tree_leaves_with_path(names, is_leaf=lambda x: isinstance(x, tuple))
     return {jax.tree_util.keystr(path): matrix(n) for path, n in leaves}
-
 
 
 @dataclasses.dataclass(frozen=True)
