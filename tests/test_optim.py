@@ -221,3 +221,12 @@ def test_config_errors_name_the_field(overrides, message):
     with pytest.raises(config.ConfigError) as e:
         config.load("meshes/demo.yaml", overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_switching_the_schedule_on_a_resume_re_plans_and_says_so():
+    cfg, line = optim.resolve_schedule(
+        config.load(None, ["optimizer.warmup_steps=2", "optimizer.schedule=wsd", "train.steps=20"]),
+        resumed_from("train.steps=20", step=10))
+    assert float(optim.schedule(cfg)(10)) == pytest.approx(3e-3)  # stable until 16, where the cosine had decayed
+    assert line == ("lr from step 10 (0.003): 0.003 to step 16, then linear decay to 0.0003 at step 20 "
+                    "(re-planned: schedule cosine -> wsd)")
