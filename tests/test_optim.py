@@ -230,3 +230,24 @@ def test_switching_the_schedule_on_a_resume_re_plans_and_says_so():
     assert float(optim.schedule(cfg)(10)) == pytest.approx(3e-3)  # stable until 16, where the cosine had decayed
     assert line == ("lr from step 10 (0.003): 0.003 to step 16, then linear decay to 0.0003 at step 20 "
                     "(re-planned: schedule cosine -> wsd)")
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("adafactor", ["train.comm.grad_reduce_dtype=int8", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    ("lion", ["train.comm.sync=local_sgd", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    ("muon", ["mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "model.n_layers=4"]),
+    ("muon", ["model.moe.n_experts=4", "model.moe.experts_per_token=2", "mesh.expert=2", "mesh.fsdp=2",
+              "mesh.tensor=2"]),
+    ("adafactor", ["model.name=llama", "model.lora.rank=2", "mesh.fsdp=4", "mesh.tensor=2"]),
+])
+def test_each_optimizer_combines_with_the_other_step_modes(name, overrides):
+    """Compressed reduction, local SGD, pipelines, MoE and LoRA wrap or shard the optimizer's state:
+    two steps run, the second's loss below the first's (same batch, no warmup)."""
+    cfg = config.load(None, [*TINY, f"optimizer.name={name}", "optimizer.warmup_steps=0", *overrides])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, prog.abstract_batch().shape, dtype=np.int32)
+    state, batch, losses = prog.init(0), jax.device_put(tokens, prog.batch_sharding), []
+    for _ in range(2):
+        state, metrics = prog.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all() and losses[1] < losses[0]
