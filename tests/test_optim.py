@@ -80,8 +80,8 @@ def test_sharded_update_equals_one_devices(name):
     Adafactor 3e-9, Muon 6e-9: its Newton-Schulz matmuls sum in another order), for updates of
     about 1e-3 (so 1e-6 is 0.1% of them: a per-shard Muon or a per-shard Adafactor mean would differ by
     far more)."""
-    shapes = sharding.param_layout(config.load(None, WIDE), mesh_lib.make_mesh(config.load(None, WIDE).mesh,
-                                                                               jax.devices()[:1])).params
+    cfg = config.load(None, WIDE)
+    shapes = sharding.param_layout(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1])).params
     rng = np.random.default_rng(0)
     gradients = [jax.tree.map(lambda x: (1e-2 * rng.standard_normal(x.shape)).astype(np.float32), shapes)
                  for _ in range(3)]
