@@ -259,13 +259,13 @@ class OptimizerConfig:
     (shardtrain/optim.py). Norm scales get no weight decay."""
 
     name: Literal["adamw", "adafactor", "muon", "lion"] = "adamw"
-    """`adamw`; `adafactor`: factored second moments (a row and a column vector per matrix instead
-    of a full moment), no first moment, update clipping 1.0, decoupled weight decay; `lion`: one
-    momentum, sign updates (its paper uses a 3-10x smaller learning_rate than AdamW's); `muon`
-    (optax.contrib): hidden weight matrices by Muon (Nesterov momentum 0.95, Newton-Schulz
-    orthogonalised, updates scaled to AdamW's RMS so learning_rate and weight_decay carry over),
-    embeddings, output head, norm scales and other non-matrix parameters by AdamW (b1, b2, no weight
-    decay)."""
+    """`adamw`; `adafactor`: factored second moments (a row and a column vector instead of a full
+    moment for arrays with two axes of >= 128), no first moment, update clipping 1.0, decoupled
+    weight decay; `lion`: one momentum, sign updates (its paper uses a 3-10x smaller learning_rate
+    than AdamW's); `muon` (optax.contrib): hidden weight matrices by Muon (Nesterov momentum 0.95,
+    Newton-Schulz orthogonalised, updates scaled to AdamW's RMS so learning_rate and weight_decay
+    carry over), embeddings, output head, norm scales and other non-matrix parameters by AdamW
+    (b1, b2, no weight decay)."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     """After warmup_steps of linear warmup: `cosine` decay to learning_rate x min_lr_ratio at
     decay_steps; `wsd` (warmup-stable-decay): constant, then linear decay to learning_rate x
