@@ -22,6 +22,7 @@ from shardtrain import (
     health,
     mesh as mesh_lib,
     optim,
+    sharding,
     step as step_lib,
 )
 from shardtrain.checkpoint import listing, local as local_tier, manager
@@ -82,6 +83,13 @@ def mode_line(prog: step_lib.Program) -> str:
     accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
     return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}, "
             f"params {t.param_dtype}; {comm}; {pipe}{accum}")
+
+
+def optimizer_line(prog: step_lib.Program) -> str:
+    """One console line: the optimizer, its clipping and its state's size on each device."""
+    o = prog.cfg.optimizer
+    state_mib = sharding.shard_bytes(prog.abstract_state["opt"]) / 2**20
+    return f"optimizer: {o.name} after clipping at global norm {o.grad_clip:g}; {state_mib:.2f} MiB of state per device"
 
 
 def train(cfg: config_lib.RunConfig, started: float | None = None) -> int:
@@ -176,6 +184,7 @@ def _announce(prog: step_lib.Program, sources, lr_line: str) -> None:
     (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
     print(model_line(prog), flush=True)
     print(mode_line(prog), flush=True)
+    print(optimizer_line(prog), flush=True)
     print(lr_line, flush=True)
     print(loader.describe(cfg, sources), flush=True)
 

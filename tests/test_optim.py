@@ -251,3 +251,12 @@ def test_each_optimizer_combines_with_the_other_step_modes(name, overrides):
         state, metrics = prog.step(state, batch)
         losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all() and losses[1] < losses[0]
+
+
+def test_the_start_of_a_run_names_the_optimizer_and_its_state_per_device():
+    from shardtrain import loop
+    cfg = config.load(None, [*WIDE, "optimizer.name=lion", "mesh.fsdp=4", "mesh.tensor=2"])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    mib = sharding.shard_bytes(prog.abstract_state["params"]) / 2**20  # lion: one momentum (+ a counter)
+    assert loop.optimizer_line(prog) == (f"optimizer: lion after clipping at global norm 1; {mib:.2f} MiB of state "
+                                         "per device")
