@@ -29,10 +29,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r and "step" in r}
 
 
-def train(out: Path, steps: int) -> None:
-    for mode in MODES:
+def train(out: Path, steps: int, field: str = "train.quantization", values=MODES, prefix: str = "d") -> None:
+    """meshes/demo.yaml for `steps` steps with each of `values` of `field`, into out/<prefix>_<value>."""
+    for value in values:
         subprocess.run([sys.executable, "-m", "shardtrain.cli", "train", "meshes/demo.yaml", f"train.steps={steps}",
-                        f"train.quantization={mode}", f"run_dir={out / f'd_{mode}'}", "checkpoint.every_steps=1000"],
+                        f"{field}={value}", f"run_dir={out / f'{prefix}_{value}'}", "checkpoint.every_steps=1000"],
                        cwd=HERE.parent, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
@@ -45,7 +46,8 @@ def summarise(out: Path) -> dict:
             "loss_every_5": {m: {s: round(v, 4) for s, v in c.items() if s % 5 == 0} for m, c in curves.items()}}
 
 
-def plot(summary: dict, curves: dict, path: Path) -> None:
+def plot(summary: dict, curves: dict, path: Path, what: str = "train.quantization", top: float = 3.0) -> None:
+    """The curves smoothed over 10 steps, each labelled with its last-20-step mean (bench/optimizers.py too)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -55,8 +57,8 @@ def plot(summary: dict, curves: dict, path: Path) -> None:
         steps = sorted(c)
         smooth = [statistics.mean(c[t] for t in steps[max(0, i - 9):i + 1]) for i in range(len(steps))]
         ax.plot(steps, smooth, label=f"{mode}: {summary['final_loss_last_20'][mode]:.3f}", linewidth=1)
-    ax.set(xlabel="step", ylabel="loss (10-step mean)", ylim=(1.0, 3.0),
-           title="demo GPT, train.quantization (last-20-step mean in the legend)")
+    ax.set(xlabel="step", ylabel="loss (10-step mean)", ylim=(1.0, top),
+           title=f"demo GPT, {what} (last-20-step mean in the legend)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -16,7 +16,7 @@ auto over the others, whose reductions (FSDP, tensor) stay GSPMD's, in float32:
   lost over time: sum of applied gradients = sum of true gradients - current residuals.
   Each device sends 2(n-1)/n x (params / 4) bytes, a quarter of a float32 ring all-reduce.
 - `sync: local_sgd` (DiLoCo): every replica along `train.comm.sync_axes` keeps its own parameters and
-  AdamW state (`state["replicas"]`, a leading replica dimension sharded over those axes) and
+  optimizer state (`state["replicas"]`, a leading replica dimension sharded over those axes) and
   steps without any reduction over them; every `sync_every` steps the replicas' mean parameter
   delta from the outer parameters (`state["params"]`) is applied by outer Nesterov SGD (state in
   `state["opt"]`) and every replica restarts from the result. `grad_reduce_dtype: bfloat16`
@@ -192,7 +192,7 @@ def replica_mean(mesh: Mesh, axes: tuple[str, ...], dtype: str, specs, dims=None
 def build(cfg: RunConfig, mesh: Mesh, base: Base) -> tuple[dict, Callable, Callable]:
     """(state_shardings, fresh_state(params) -> state, train_step(state, tokens_bt) -> (state, metrics)).
 
-    One replica's work (a gradient, or an inner AdamW step) is `jax.vmap`ped over a leading
+    One replica's work (a gradient, or an inner optimizer step) is `jax.vmap`ped over a leading
     replica dimension sharded over the replica axes (`spmd_axis_name`), so GSPMD keeps every
     replica on its own devices; only `replica_mean` communicates over those axes."""
     axes = replica_axes(cfg, mesh, base.state_shardings["params"])
@@ -270,7 +270,7 @@ def local_sgd_step(cfg, mesh, base, axes, loss_and_grads, split_batch):
                               {"params": state["params"], "opt": state["opt"]})
         return {**state, "opt": outer_tx.init(state["params"]), "replicas": copies}
 
-    def inner(local, step, tokens_bt):  # one replica's AdamW step: no reduction over the replica axes
+    def inner(local, step, tokens_bt):  # one replica's optimizer step: no reduction over the replica axes
         loss, grads = loss_and_grads(local["params"], tokens_bt)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)  # (+ the replica axes, by vmap)
         new, metrics = base.update({**local, "step": step}, loss, grads)

@@ -22,6 +22,7 @@ from shardtrain import (
     health,
     mesh as mesh_lib,
     optim,
+    sharding,
     step as step_lib,
 )
 from shardtrain.checkpoint import listing, local as local_tier, manager
@@ -84,6 +85,13 @@ def mode_line(prog: step_lib.Program) -> str:
             f"params {t.param_dtype}; {comm}; {pipe}{accum}")
 
 
+def optimizer_line(prog: step_lib.Program) -> str:
+    """One console line: the optimizer, its clipping and its state's size on each device."""
+    o = prog.cfg.optimizer
+    state_mib = sharding.shard_bytes(prog.abstract_state["opt"]) / 2**20
+    return f"optimizer: {o.name} after clipping at global norm {o.grad_clip:g}; {state_mib:.2f} MiB of state per device"
+
+
 def train(cfg: config_lib.RunConfig, started: float | None = None) -> int:
     """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
     A run whose checkpoints already reach train.steps is complete: it says so and returns 0
@@ -115,7 +123,9 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodp
     sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
     dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
-    cfg, lr_line = optim.resolve_schedule(cfg, listing.newest_meta(cfg))  # a resume keeps the recorded schedule
+    resumed = listing.newest_meta(cfg)
+    optim.check_resume(cfg, resumed, listing.directory(cfg))  # another optimizer's state fails here, not at restore
+    cfg, lr_line = optim.resolve_schedule(cfg, resumed)  # a resume keeps the recorded schedule
     injected = faults.Faults(cfg.run_dir, jax.process_index(), jax.process_count())
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), nan_at=injected.nan_step())
     evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
@@ -174,6 +184,7 @@ def _announce(prog: step_lib.Program, sources, lr_line: str) -> None:
     (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
     print(model_line(prog), flush=True)
     print(mode_line(prog), flush=True)
+    print(optimizer_line(prog), flush=True)
     print(lr_line, flush=True)
     print(loader.describe(cfg, sources), flush=True)
 

@@ -181,12 +181,9 @@ def context_order(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain) -> 
 def state_shardings(cfg: RunConfig, mesh: Mesh, tx: optax.GradientTransformation,
                     layout: sharding.ParamLayout) -> dict:
     """Shardings of the train state: parameters by the rules, optimizer state like its parameters
-    (`jax.jit(tx.init)` alone would replicate it), scalars replicated."""
+    (`optim.state_specs`; `jax.jit(tx.init)` alone would replicate it), scalars replicated."""
     replicated = NamedSharding(mesh, P())
-    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 - parameters without state (frozen by LoRA)
-    opt_shardings = optax.tree_map_params(tx, lambda x, s: x if masked(x) else s,
-                                          jax.eval_shape(tx.init, layout.params), layout.shardings,
-                                          transform_non_params=lambda _: replicated, is_leaf=masked)
+    opt_shardings = sharding.named(mesh, optim.state_specs(tx, layout.params))
     return {"params": layout.shardings, "opt": opt_shardings, "step": replicated}
 
 
@@ -322,9 +319,9 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     constrain = sharding.Constrain(cfg.rules, mesh)
     schedule = pipeline_schedule(cfg, mesh, constrain)  # first: the pipeline's errors name layers, stages, repeats
     run_blocks, reorder = blocks_runner(cfg, mesh, schedule), context_order(cfg, mesh, constrain)
-    tx = optim.make(cfg)
 
     layout = sharding.param_layout(cfg, mesh)                                                 # 1
+    tx = optim.make(cfg, layout.names)
     shardings = state_shardings(cfg, mesh, tx, layout)                                        # 2
     batch = batch_sharding(cfg, mesh)
     loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder)                       # 3

@@ -81,6 +81,10 @@ def test_demo_config_trains_on_text(tmp_path):
     (["train", "meshes/demo.yaml", "train.profile_steps=[12,10]"],
      "train.profile_steps: [12, 10] must be [first, last]"),
     (["train", "meshes/demo.yaml", "optimizer.learning_rate=-1"], "optimizer.learning_rate: must be > 0"),
+    (["train", "meshes/demo.yaml", "optimizer.name=adam"],
+     "optimizer.name: 'adam' is not one of: adamw, adafactor, muon, lion"),
+    (["plan", "meshes/demo.yaml", "optimizer.schedule=cos"],
+     "optimizer.schedule: 'cos' is not one of: cosine, wsd, constant"),
     (["train", "{tmp}"], "is a directory, not a YAML file"),
     (["train", "{tmp}/empty.yaml"], "config file '{tmp}/empty.yaml' is empty"),
     (["train", "meshes/demo.yaml", "run_dir={tmp}/empty.yaml"], "'{tmp}/empty.yaml' is a file, not a directory"),
@@ -120,6 +124,19 @@ def test_resume_to_more_steps_keeps_the_lr_schedule_and_traces_the_rest_of_a_pro
     assert lr[1] == 0 and lr[2] == pytest.approx(3e-3) and lr[3] == lr[4] == pytest.approx(3e-4)  # row N: update N
     assert "decay_steps: 2" in (tmp_path / "config.yaml").read_text()  # the resolved schedule is recorded
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+
+@pytest.mark.slow
+def test_resuming_with_another_optimizer_exits_2_with_one_line_before_compiling(tmp_path, capsys):
+    from shardtrain import config, loop
+    tiny = ["model.name=mlp", "model.d_model=32", "model.n_layers=2", "data.seq_len=16", "data.source=synthetic",
+            "train.global_batch_size=8", "train.compile_cache=false", "train.steps=2", f"run_dir={tmp_path}"]
+    assert loop.train(config.load("meshes/demo.yaml", tiny)) == 0
+    capsys.readouterr()
+    code, err = run_cli(capsys, "train", "meshes/demo.yaml", *tiny, "train.steps=4", "optimizer.name=adafactor")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert (f"error: optimizer.name=adafactor: checkpoint step 2 in {tmp_path}/checkpoints holds adamw's optimizer "
+            "state; resume with optimizer.name=adamw") in err
 
 
 @pytest.mark.parametrize("overrides, line", [

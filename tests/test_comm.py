@@ -99,7 +99,7 @@ def test_local_sgd_syncs_only_every_h_steps(cfg_factory):
 def test_local_sgd_h1_outer_lr1_equals_synchronous_sgd(cfg_factory, monkeypatch):
     # With a linear inner optimizer (SGD), averaging the replicas' updated parameters every step
     # is the synchronous step on the averaged gradient. (With AdamW it is not: Adam is nonlinear.)
-    monkeypatch.setattr(optim, "make", lambda cfg: optax.sgd(optim.schedule(cfg)))
+    monkeypatch.setattr(optim, "make", lambda cfg, names: optax.sgd(optim.schedule(cfg)))
     sync_state, sync_losses = run(build(cfg_factory, "optimizer.learning_rate=0.5"), 4)
     local = build(cfg_factory, "optimizer.learning_rate=0.5", "train.comm.sync=local_sgd", "train.comm.sync_every=1",
                   "train.comm.outer_learning_rate=1.0", "train.comm.outer_momentum=0.0")

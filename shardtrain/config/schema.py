@@ -255,17 +255,34 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup, cosine decay and global-norm clipping."""
+    """The optimizer (optax's) after global-norm clipping, and the learning-rate schedule
+    (shardtrain/optim.py). Norm scales get no weight decay."""
 
+    name: Literal["adamw", "adafactor", "muon", "lion"] = "adamw"
+    """`adamw`; `adafactor`: factored second moments (a row and a column vector instead of a full
+    moment for arrays with two axes of >= 128), no first moment, update clipping 1.0, decoupled
+    weight decay; `lion`: one momentum, sign updates (its paper uses a 3-10x smaller learning_rate
+    than AdamW's); `muon` (optax.contrib): hidden weight matrices by Muon (Nesterov momentum 0.95,
+    Newton-Schulz orthogonalised, updates scaled to AdamW's RMS so learning_rate and weight_decay
+    carry over), embeddings, output head, norm scales and other non-matrix parameters by AdamW
+    (b1, b2, no weight decay)."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """After warmup_steps of linear warmup: `cosine` decay to learning_rate x min_lr_ratio at
+    decay_steps; `wsd` (warmup-stable-decay): constant, then linear decay to learning_rate x
+    min_lr_ratio over the last decay_fraction of decay_steps; `constant`: learning_rate to the end."""
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     decay_steps: Optional[int] = None
-    """Cosine decay length (the LR then stays at learning_rate x min_lr_ratio); null: train.steps at the
-    run's start, resolved then and recorded in run_dir/config.yaml and each checkpoint, so resuming
-    with a larger train.steps keeps it; a number set on a resume re-plans the decay."""
+    """The step the decay ends at (the LR then stays at learning_rate x min_lr_ratio); null: train.steps
+    at the run's start, resolved then and recorded in run_dir/config.yaml and each checkpoint, so
+    resuming with a larger train.steps keeps it; a number set on a resume re-plans the decay."""
+    decay_fraction: float = 0.2
+    """wsd: the share of decay_steps the final decay takes (0.2: the last 20%)."""
     min_lr_ratio: float = 0.1
     b1: float = 0.9
+    """adamw, lion (and muon's AdamW part): first-moment decay."""
     b2: float = 0.95
+    """adamw (and muon's AdamW part): second-moment decay; lion: its momentum's decay."""
     weight_decay: float = 0.1
     grad_clip: float = 1.0
 

@@ -37,7 +37,7 @@ def validate(cfg: RunConfig) -> None:
     validate_mesh(cfg.mesh)
     validate_train(cfg.train, cfg.data.seq_len)
     validate_data(cfg.data)
-    validate_optimizer(cfg.optimizer)
+    validate_optimizer(cfg.optimizer, cfg.model.lora.rank)
     validate_checkpoint(cfg.checkpoint)
     validate_model(cfg.model)
     validate_lora(cfg.model, cfg.train.comm)
@@ -124,7 +124,7 @@ def validate_data(d: DataConfig) -> None:
         raise ConfigError("data.source=tokens needs data.path=DIR (a `shardtrain prepare --out DIR`) or data.mixture")
 
 
-def validate_optimizer(o: OptimizerConfig) -> None:
+def validate_optimizer(o: OptimizerConfig, lora_rank: int = 0) -> None:
     for name, ok, want in [
         ("learning_rate", o.learning_rate > 0, "> 0, e.g. 3e-3"),
         ("b1", 0 <= o.b1 < 1, "in [0, 1), e.g. 0.9"),
@@ -134,9 +134,13 @@ def validate_optimizer(o: OptimizerConfig) -> None:
         ("warmup_steps", o.warmup_steps >= 0, ">= 0"),
         ("decay_steps", o.decay_steps is None or o.decay_steps >= 1, ">= 1 (or null: train.steps)"),
         ("min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+        ("decay_fraction", 0 < o.decay_fraction <= 1, "in (0, 1], e.g. 0.2 (the last 20% of decay_steps)"),
     ]:
         if not ok:
             raise ConfigError(f"optimizer.{name}: must be {want}, got {getattr(o, name)}")
+    if o.name == "muon" and lora_rank > 0:
+        raise ConfigError("optimizer.name=muon does not combine with LoRA (model.lora.rank > 0): Muon orthogonalises "
+                          "whole weight matrices, not low-rank adapters; use optimizer.name=adamw, adafactor or lion")
 
 
 def validate_checkpoint(c: CheckpointConfig) -> None:
