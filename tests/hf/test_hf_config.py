@@ -107,3 +107,21 @@ def test_a_model_config_no_family_holds_is_refused_not_exported_without_a_featur
     mixtral = model_config(read_config(FIXTURES / "mixtral"))
     with pytest.raises(ConfigError, match="MixtralForCausalLM cannot hold norm_topk_prob=False"):
         hf_config(dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, norm_topk_prob=False)))
+
+
+OLMO2_7B = {"architectures": ["Olmo2ForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-6,
+            "rope_theta": 500000, "tie_word_embeddings": False, "vocab_size": 100352, "hidden_act": "silu",
+            "attention_bias": False}
+"""OLMo-2-1124-7B's config.json (the fields that matter)."""
+
+
+def test_olmo2_config_file_maps_to_our_fields_and_back():
+    m = model_config(OLMO2_7B)
+    assert (m.norm_position, m.qk_norm, m.qk_norm_scope, m.layer_pattern) == ("post", True, "projection", ())
+    assert model_config(hf_config(m)) == m
+    with pytest.raises(ConfigError, match="imported from a Olmo2ForCausalLM, which cannot hold .*norm_position='pre'"):
+        hf_config(dataclasses.replace(m, norm_position="pre", qk_norm_scope="head", qk_norm=False, qkv_bias=True),
+                  base=OLMO2_7B)
+    with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
+        model_config({**OLMO2_7B, "hidden_act": "gelu"})
