@@ -78,6 +78,8 @@ TRAIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
 """The ModelConfig fields a family fixes (Family.traits), with their defaults."""
 EXTRAS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta")
 """Optional ModelConfig fields only some families hold (Family.extras)."""
+GEMMA = dict(traits={"norm_position": "pre_post", "norm_scale": "one_plus_weight", "activation": "gelu_tanh",
+                     "scale_embeddings": True}, window="layer_types", act_key="hidden_activation")
 
 
 QWEN_MOE_KEYS = {"router_aux_loss_coef": ("router_aux_loss_coef",),
@@ -93,6 +95,9 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
     Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window="use_sliding_window"),
     Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window="use_sliding_window"),
     Family("Olmo2ForCausalLM", "olmo2", qk_norm=True, traits={"norm_position": "post", "qk_norm_scope": "projection"}),
+    Family("Gemma2ForCausalLM", "gemma2", **GEMMA, pattern=2,
+           extras=("query_pre_attn_scalar", "attn_softcap", "final_softcap")),
+    Family("Gemma3ForCausalLM", "gemma3", **GEMMA, pattern=6, qk_norm=True, extras=EXTRAS),
     Family("MixtralForCausalLM", "mixtral", window="always", moe=Moe(
         keys={"router_aux_loss_coef": ("router_aux_loss_coef",), "n_experts": ("num_local_experts",),
               "experts_per_token": ("num_experts_per_tok",)},

@@ -6,7 +6,9 @@ transformers, with transformers' logits and greedy generation (tests/fixtures/ma
 made them). Llama uses llama3 rope scaling, Qwen2 qkv biases and tied embeddings, Qwen3 qk-norm,
 head_dim 16 != 32/4 and a sharded checkpoint with an index. The mixtures of experts (4 experts,
 top 2): Mixtral, Qwen2-MoE with a gated shared expert and unnormalised top-k weights, Qwen3-MoE.
-OLMo 2: post-norms, qk-norm over the whole projection.
+OLMo 2: post-norms, qk-norm over the whole projection. Gemma 2 (3 layers: local, global, local;
+window 6, soft caps) and Gemma 3 (4 layers: local, local, global, local; qk-norm, the local
+layers' rotary base, linear scaling on the global ones): head_dim 16, query_pre_attn_scalar 24.
 """
 
 import dataclasses
@@ -21,7 +23,7 @@ from shardtrain import config, mesh as mesh_lib, sharding
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
-NEW_FAMILIES = ["olmo2"]
+NEW_FAMILIES = ["olmo2", "gemma2", "gemma3"]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *NEW_FAMILIES]
 
 

@@ -57,7 +57,8 @@ def test_moe_import_then_export_round_trips_bit_exactly(tmp_path):
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_new_families_import_then_export_round_trip_bit_exactly(tmp_path, family):
-    """Every tensor (OLMo 2's post-norms and whole-projection qk-norm weights) and the config.json."""
+    """Every tensor (OLMo 2's post-norms and whole-projection qk-norm weights, Gemma's four norms a
+    layer and tied embeddings) and the config.json (layer kinds, soft caps, Gemma 3's rope per layer kind)."""
     src = FIXTURES / family
     exported = json.loads((round_trip(src, tmp_path) / "config.json").read_text())
     assert model_config(exported) == HfDir(src).model
