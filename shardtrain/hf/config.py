@@ -41,12 +41,15 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", family.window == "layer_types")),  # Gemma: tied by default
         head_dim=None if head_dim * h == d else head_dim, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
-        **{k: family.trait(k) for k in TRAIT_DEFAULTS}, **extras(hf, family, local_theta))
+        **{k: family.trait(k) for k in TRAIT_DEFAULTS}, **extras(hf, family, local_theta, where))
     return ModelConfig(**{**fields, **moe_fields(hf, family, where)})
 
 
-def extras(hf: dict, family: Family, local_theta: float | None) -> dict:
+def extras(hf: dict, family: Family, local_theta: float | None, where: str) -> dict:
     """The family's optional fields (Family.extras) from config.json: Gemma's attention scale and soft caps."""
+    scalar = hf.get("query_pre_attn_scalar")
+    if scalar is not None and float(scalar) != int(scalar):  # transformers' is an int; never round one
+        raise ConfigError(f"{where}: query_pre_attn_scalar={scalar!r} is not supported (only a whole number)")
     keys = {"query_pre_attn_scalar": ("query_pre_attn_scalar", int), "attn_softcap": ("attn_logit_softcapping", float),
             "final_softcap": ("final_logit_softcapping", float)}
     out = {ours: None if hf.get(key) is None else kind(hf[key])

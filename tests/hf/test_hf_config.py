@@ -159,6 +159,7 @@ def test_gemma_config_files_map_to_our_fields_and_back():
     assert model_config(hf_config(scaled)) == scaled
     for bad, message in [({"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported"),
                          ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
+                         ({"query_pre_attn_scalar": 24.5}, "query_pre_attn_scalar=24.5 is not supported"),
                          ({"layer_types": ["chunked_attention"] * 26},
                           "layer_types .'chunked_attention'. not supported"),
                          ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn"}, "full_attention": {}}},
