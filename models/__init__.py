@@ -25,7 +25,7 @@ from models import quant
 
 MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp",
           **{family: "models.gpt:Gpt" for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                                                     "qwen3_moe")}}
+                                                     "qwen3_moe", "olmo2", "gemma2", "gemma3")}}
 """model.name -> class. The Hugging Face families are names of the one decoder `gpt` (import-hf writes the
 family it read, so the run says what it trains); their differences are config fields."""
 
@@ -70,19 +70,54 @@ def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
     return make(rngs)
 
 
+def scan_layers(body, x, xs, kinds=(), unroll: int = 1):
+    """`lax.scan` of `body(x, layer_xs, kind) -> (x, y)` over the leading (layer) axis of `xs`,
+    returning (x, ys stacked over the layers). Layers of several kinds (`kinds`, a repeating group
+    of G: a model's layer_pattern) keep a rolled scan: it runs over groups of G layers, each
+    iteration the G kinds in turn (the program grows with G, not with depth), and the L mod G
+    layers after the last whole group follow the pattern's first kinds. `unroll`: iterations per
+    loop trip. No kinds: kind is None."""
+    if len(kinds) <= 1:
+        kind = kinds[0] if kinds else None
+        return jax.lax.scan(lambda c, layer: body(c, layer, kind), x, xs, unroll=unroll)
+    g, n = len(kinds), jax.tree.leaves(xs)[0].shape[0]
+    whole = n - n % g
+
+    def group(c, group_xs):
+        ys = []
+        for j, kind in enumerate(kinds):
+            c, y = body(c, jax.tree.map(lambda a, j=j: a[j], group_xs), kind)
+            ys.append(y)
+        return c, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    grouped = jax.tree.map(lambda a: a[:whole].reshape(whole // g, g, *a.shape[1:]), xs)  # (L/G, G, ...)
+    x, ys = jax.lax.scan(group, x, grouped, unroll=unroll)
+    ys = [jax.tree.map(lambda a: a.reshape(whole, *a.shape[2:]), ys)]
+    for i in range(whole, n):  # the last, partial group
+        x, y = body(x, jax.tree.map(lambda a, i=i: a[i], xs), kinds[i - whole])
+        ys.append(jax.tree.map(lambda a: a[None], y))
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *ys) if len(ys) > 1 else ys[0]
+
+
 def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None, unroll: int = 1):
-    """Runs stacked blocks in order with a rolled lax.scan (`unroll` layers per iteration), so the
-    program does not grow with depth; `wrap` decorates the per-layer body (remat).
+    """Runs stacked blocks in order with a rolled lax.scan (`unroll` iterations per loop trip), so
+    the program does not grow with depth; `wrap` decorates the per-layer body (remat). Blocks with a
+    `kinds` pattern (models/gpt.py, model.layer_pattern) are called with each layer's kind and
+    scanned a group of layers at a time (`scan_layers`).
 
     A block returns `x` or `(x, aux)`, `aux` a dict of scalar auxiliary losses (an MoE router's);
     then this returns `(x, aux)` with each loss summed over the layers, for the trainer to add."""
     graphdef, state = nnx.split(blocks)
+    kinds = tuple(getattr(blocks, "kinds", ()))
 
-    @wrap
-    def body(x, layer_state):
-        out = nnx.merge(graphdef, layer_state)(x, segment_ids, positions)
-        return out if isinstance(out, tuple) else (out, {})
-    x, aux = jax.lax.scan(body, x, state, unroll=unroll)
+    def layer(kind):
+        @wrap
+        def run(x, layer_state):
+            block = nnx.merge(graphdef, layer_state)
+            out = block(x, segment_ids, positions) if kind is None else block(x, segment_ids, positions, kind=kind)
+            return out if isinstance(out, tuple) else (out, {})
+        return run
+    runs = {kind: layer(kind) for kind in set(kinds) or {None}}
+    x, aux = scan_layers(lambda x, layer_state, kind: runs[kind](x, layer_state), x, state, kinds, unroll)
     return (x, jax.tree.map(lambda a: a.sum(0), aux)) if aux else x
 
 

@@ -1,16 +1,18 @@
 """Causal grouped-query attention by implementation: one function the decoder calls.
 
     o_bthe = attend(q_bthe, k_btke, v_btke, segment_ids_bt=None, positions_bt=None, impl="auto",
-                    constrain=None, window=None)
+                    constrain=None, window=None, scale=None, softcap=None)
 
 Shapes: B batch, T sequence, H query heads, K key/value heads (K divides H, G = H / K queries per
-key head), E head dim. q is not pre-scaled: every implementation scales scores by E**-0.5.
+key head), E head dim. q is not pre-scaled: every implementation scales scores by `scale`
+(default E**-0.5) and, with `softcap` c (Gemma 2), caps them to c * tanh(s / c) before the mask.
 `segment_ids_bt` (int, one id per packed document) restricts attention to tokens of the same
 document; None means one document per row. `window` W (sliding-window attention, Mistral's
 `sliding_window`) lets query t see keys t - W + 1 .. t only; None: every earlier key.
 
 - `xla`: `jax.nn.dot_product_attention`, which materialises the B x H x T x T scores. The reference;
-  fastest on CPU at short T. A window is its `local_window_size` (W - 1, 0).
+  fastest on CPU at short T. A window is its `local_window_size` (W - 1, 0). With a soft cap (which
+  it lacks) the same whole scores by `fold_block` below.
 - `chunked`: flash-style in plain XLA: a scan over query chunks, inside it a scan over key chunks
   with an online softmax; never holds more than one chunk x chunk block of scores per head;
   recomputed in the backward pass. Any platform, long T without a kernel. With a window, each
@@ -20,8 +22,8 @@ document; None means one document per row. `window` W (sliding-window attention,
   per key head with its G query heads (MQA form, no repeat of k/v), in a `shard_map` over the batch
   and kv-head axes. TPU (tests run it with `interpret=True` on CPU).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (flash attention; a window is
-  cuDNN's sliding_window_length W). NVIDIA GPU.
-- `auto`: splash on TPU, cudnn on GPU (chunked for float32), xla on CPU.
+  cuDNN's sliding_window_length W). NVIDIA GPU. No soft cap: asking for one is an error.
+- `auto`: splash on TPU, cudnn on GPU (chunked for float32 or a soft cap), xla on CPU.
 - ring (context parallelism): when the trainer splits the sequence over devices
   (`constrain.size("seq") > 1`), every implementation runs as ring attention (below); `xla`
   computes each ring step's block whole, the others in chunks like `chunked`.
@@ -60,7 +62,7 @@ def resolve(impl: str, platform: str | None = None) -> str:
 
 
 def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, impl: str = "auto",
-           constrain=None, window: int | None = None):
+           constrain=None, window: int | None = None, scale: float | None = None, softcap: float | None = None):
     """Causal attention of q over k, v (see the module docstring); returns o_bthe in q's dtype.
     `positions_bt` matter only to ring attention, whose masks come from them (the trainer feeds a
     context-parallel sequence out of order); None: 0..T-1.
@@ -69,22 +71,27 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
     `constrain.platform` (the mesh's devices: `tpu` when compiling for a TPU topology on a CPU
     host) or else the default backend; splash off TPU runs interpreted (CPU tests)."""
     platform = getattr(constrain, "platform", None) or jax.default_backend()
-    if impl == "auto" and resolve(impl, platform) == "cudnn" and q_bthe.dtype not in CUDNN_DTYPES:
-        impl = "chunked"  # cuDNN's fused attention takes half-precision inputs only
+    if impl == "auto" and resolve(impl, platform) == "cudnn" and (q_bthe.dtype not in CUDNN_DTYPES or softcap):
+        impl = "chunked"  # cuDNN's fused attention takes half-precision inputs only, and has no soft cap
     impl = resolve(impl, platform)
+    if impl == "cudnn" and softcap is not None:
+        raise ValueError("cudnn attention has no soft cap (model.attn_softcap); use chunked")
+    scale = q_bthe.shape[-1] ** -0.5 if scale is None else scale
     if constrain is not None and constrain.size("seq") > 1:
         return ring(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, constrain=constrain,
-                    chunk=None if impl == "xla" else CHUNK, window=window)
+                    chunk=None if impl == "xla" else CHUNK, window=window, scale=scale, softcap=softcap)
+    if impl == "xla" and softcap is not None:
+        return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, chunk=None, window=window, scale=scale, softcap=softcap)
     if impl == "xla" or impl == "cudnn":
         mask = None
         if segment_ids_bt is not None:
             mask = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]  # (B, 1, T, T)
         return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True, implementation=impl,
-                                            local_window_size=None if window is None else (window - 1, 0))
+                                            scale=scale, local_window_size=None if window is None else (window - 1, 0))
     if impl == "chunked":
-        return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, window=window)
+        return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, window=window, scale=scale, softcap=softcap)
     return splash(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, interpret=platform != "tpu",
-                  window=window)
+                  window=window, scale=scale, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------- chunked XLA
@@ -99,11 +106,13 @@ def empty_carry(b, t, k_heads, g, e):
             jnp.zeros((b, t, k_heads, g, e), jnp.float32))
 
 
-def fold(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, window=None):
+def fold(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, window=None, softcap=None):
     """Folds one key/value block into the carry; a query sees keys at positions <= its own (and
-    within `window` of it), in its document. q is pre-scaled."""
+    within `window` of it), in its document. q is pre-scaled; `softcap` caps the scores."""
     m_bkgq, l_bkgq, acc_bqkge = carry
     s_bkgqs = jnp.einsum("bqkge,bske->bkgqs", q_bqkge, k_bske, preferred_element_type=jnp.float32)
+    if softcap is not None:
+        s_bkgqs = jnp.tanh(s_bkgqs / softcap) * softcap
     allowed_bqs = (pos_q_bq[:, :, None] >= pos_k_bs[:, None, :]) & (seg_q_bq[:, :, None] == seg_k_bs[:, None, :])
     if window is not None:
         allowed_bqs &= pos_q_bq[:, :, None] - pos_k_bs[:, None, :] < window
@@ -118,7 +127,8 @@ def fold(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry,
     return m_new, l_new, acc_bqkge * corr_bkgq.transpose(0, 3, 1, 2)[..., None] + pv_bqkge
 
 
-def fold_block(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, chunk=None, window=None):
+def fold_block(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, chunk=None, window=None,
+               softcap=None):
     """Folds a block of keys into the carry `chunk` x `chunk` at a time (None: all at once), each
     query chunk rematerialised in the backward pass (its scores are never saved)."""
     b, t, k_heads, g, e = q_bqkge.shape
@@ -131,11 +141,12 @@ def fold_block(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, 
         return jnp.moveaxis(x.reshape(*x.shape[:axis], x.shape[axis] // c, c, *x.shape[axis + 1:]), axis, 0)
 
     keys = tuple(split(x, ck) for x in (k_bske, v_bske, pos_k_bs, seg_k_bs))
+    carry = varying_like(carry, q_bqkge, k_bske, v_bske)
 
     @jax.checkpoint
     def query_chunk(q_bckge, pos_q_bc, seg_q_bc, carry):
         def key_chunk(carry, kv):
-            return fold(q_bckge, pos_q_bc, seg_q_bc, *kv, carry, window), None
+            return fold(q_bckge, pos_q_bc, seg_q_bc, *kv, carry, window, softcap), None
         return jax.lax.scan(key_chunk, carry, keys)[0]
 
     if cq == t:
@@ -150,10 +161,26 @@ def fold_block(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, 
     return merge(out[0], 3), merge(out[1], 3), merge(out[2], 1)
 
 
-def grouped_queries(q_bthe, k_heads):
-    """(B, T, K, G, E) scaled queries: query head h = k G + g uses key head k."""
+def varying(x) -> frozenset:
+    """The manual mesh axes (inside a shard_map) x varies over."""
+    return getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
+
+
+def varying_like(carry, *xs):
+    """The carry varying over every manual mesh axis any of xs varies over (inside a shard_map, e.g.
+    a pipeline stage's): a scan's carry created there must have its body's output type."""
+    axes = frozenset().union(*map(varying, xs))
+
+    def cast(c):
+        missing = tuple(sorted(axes - varying(c)))
+        return jax.lax.pcast(c, missing, to="varying") if missing else c
+    return jax.tree.map(cast, carry)
+
+
+def grouped_queries(q_bthe, k_heads, scale):
+    """(B, T, K, G, E) queries times `scale`: query head h = k G + g uses key head k."""
     b, t, h, e = q_bthe.shape
-    return (q_bthe * jnp.asarray(e ** -0.5, q_bthe.dtype)).reshape(b, t, k_heads, h // k_heads, e)
+    return (q_bthe * jnp.asarray(scale, q_bthe.dtype)).reshape(b, t, k_heads, h // k_heads, e)
 
 
 def normalised(carry, dtype):
@@ -162,20 +189,22 @@ def normalised(carry, dtype):
     return (acc_bqkge / l_bkgq.transpose(0, 3, 1, 2)[..., None]).reshape(b, t, k_heads * g, e).astype(dtype)
 
 
-def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int = CHUNK, window: int | None = None):
-    """Flash attention in plain XLA: online softmax over key chunks, one query chunk at a time.
-    With a window, query chunk i reads only key chunks i - R + 1 .. i (R = the chunks a window
-    reaches; clamped at the first chunk, the extra keys are masked as future ones)."""
+def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int | None = CHUNK, window: int | None = None,
+            scale: float | None = None, softcap: float | None = None):
+    """Flash attention in plain XLA: online softmax over key chunks, one query chunk at a time
+    (chunk None: the whole sequence at once). With a window, query chunk i reads only key chunks
+    i - R + 1 .. i (R = the chunks a window reaches; clamped at the first chunk, the extra keys are
+    masked as future ones)."""
     b, t, h, e = q_bthe.shape
     k_heads, g = k_btke.shape[2], h // k_btke.shape[2]
     seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
     pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    q_btkge = grouped_queries(q_bthe, k_heads)
-    c = min(chunk, t)
+    q_btkge = grouped_queries(q_bthe, k_heads, e ** -0.5 if scale is None else scale)
+    c = min(chunk or t, t)
     reach = t if window is None else (-(-(window - 1) // c) + 1) * c  # keys one query chunk reads
     if reach >= t:
         carry = fold_block(q_btkge, pos_bt, seg_bt, k_btke, v_btke, pos_bt, seg_bt, empty_carry(b, t, k_heads, g, e),
-                           chunk, window)
+                           chunk, window, softcap)
         return normalised(carry, q_bthe.dtype)
     if t % c:
         raise ValueError(f"chunked attention: sequence length {t} is not a multiple of the chunk {c}")
@@ -186,7 +215,7 @@ def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int = CHUNK, win
         first_key = jnp.maximum((i + 1) * c - reach, 0)
         keys = (rows(x, first_key, reach) for x in (k_btke, v_btke, pos_bt, seg_bt))
         return fold_block(rows(q_btkge, i * c, c), rows(pos_bt, i * c, c), rows(seg_bt, i * c, c), *keys,
-                          empty_carry(b, c, k_heads, g, e), c, window)
+                          empty_carry(b, c, k_heads, g, e), c, window, softcap)
 
     _, l_nbkgc, acc_nbckge = jax.lax.map(query_chunk, jnp.arange(t // c))
     l_bkgt = jnp.moveaxis(l_nbkgc, 0, 3).reshape(b, k_heads, g, t)
@@ -198,7 +227,7 @@ def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int = CHUNK, win
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(g: int, t: int, interpret: bool, window: int | None = None):
+def _splash_kernel(g: int, t: int, interpret: bool, window: int | None = None, softcap: float | None = None):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as sk,
         splash_attention_mask as sm,
@@ -208,15 +237,18 @@ def _splash_kernel(g: int, t: int, interpret: bool, window: int | None = None):
                           block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
     one = sm.CausalMask((t, t)) if window is None else sm.LocalMask((t, t), (window - 1, 0), offset=0)
     mask = sm.MultiHeadMask([one] * g)
-    return sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    with jax.ensure_compile_time_eval():  # concrete mask arrays: the cached kernel serves several traces
+        return sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
+                                  attn_logits_soft_cap=softcap)
 
 
-def _splash_local(shard, q_btkge, k_btke, v_btke, seg_bt, *, interpret: bool, window: int | None = None):
+def _splash_local(shard, q_btkge, k_btke, v_btke, seg_bt, *, interpret: bool, window: int | None = None,
+                  scale: float, softcap: float | None = None):
     """Splash on one shard: vmap over batch and key heads of the MQA kernel (G query heads)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     b, t, k_heads, g, e = q_btkge.shape
-    kernel = _splash_kernel(g, t, interpret, window)
-    q_bkgte = (q_btkge * jnp.asarray(e ** -0.5, q_btkge.dtype)).transpose(0, 2, 3, 1, 4)
+    kernel = _splash_kernel(g, t, interpret, window, softcap)
+    q_bkgte = (q_btkge * jnp.asarray(scale, q_btkge.dtype)).transpose(0, 2, 3, 1, 4)  # the kernel does not scale
     k_bkte, v_bkte = k_btke.transpose(0, 2, 1, 3), v_btke.transpose(0, 2, 1, 3)
 
     def one(q_gte, k_te, v_te, seg_t):
@@ -228,7 +260,7 @@ def _splash_local(shard, q_btkge, k_btke, v_btke, seg_bt, *, interpret: bool, wi
 
 
 def splash(q_bthe, k_btke, v_btke, segment_ids_bt=None, *, constrain=None, interpret: bool = False,
-           window: int | None = None):
+           window: int | None = None, scale: float | None = None, softcap: float | None = None):
     b, t, h, e = q_bthe.shape
     k_heads = k_btke.shape[2]
     seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
@@ -236,8 +268,10 @@ def splash(q_bthe, k_btke, v_btke, segment_ids_bt=None, *, constrain=None, inter
     # the sequence stays whole inside (a causal kernel needs every earlier key)
     names_q = ("batch", None, "kv_heads", None, None)
     names_kv = ("batch", None, "kv_heads", None)
-    local = (constrain or no_constraint).shard_map(functools.partial(_splash_local, interpret=interpret, window=window),
-                                                   (names_q, names_kv, names_kv, ("batch", None)), names_q)
+    local = (constrain or no_constraint).shard_map(
+        functools.partial(_splash_local, interpret=interpret, window=window, softcap=softcap,
+                          scale=e ** -0.5 if scale is None else scale),
+        (names_q, names_kv, names_kv, ("batch", None)), names_q)
     return local(q_btkge, k_btke, v_btke, seg_bt).reshape(b, t, h, e)
 
 
@@ -265,27 +299,28 @@ def load_balanced_order(t: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def _ring_local(shard, q_bthe, k_btke, v_btke, pos_bt, seg_bt, *, chunk, window=None):
+def _ring_local(shard, q_bthe, k_btke, v_btke, pos_bt, seg_bt, *, chunk, window=None, scale, softcap=None):
     """One device's queries against every device's keys/values, passed around the `seq` ring."""
     b, t, h, e = q_bthe.shape
     k_heads = k_btke.shape[2]
     n = shard.size("seq")
-    q_bqkge = grouped_queries(q_bthe, k_heads)
+    q_bqkge = grouped_queries(q_bthe, k_heads, scale)
     carry = empty_carry(b, t, k_heads, h // k_heads, e)
 
     def step(state, _):
         kv, carry = state
         nxt = shard.ring_shift(kv, "seq")  # issued first: the transfer overlaps this block's compute
-        return (nxt, fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk, window)), None
+        return (nxt, fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk, window, softcap)), None
 
     kv = (k_btke, v_btke, pos_bt, seg_bt)
     if n > 1:
         (kv, carry), _ = jax.lax.scan(step, (kv, carry), None, length=n - 1)
-    carry = fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk, window)  # the last block: no transfer
+    carry = fold_block(q_bqkge, pos_bt, seg_bt, *kv, carry, chunk, window, softcap)  # the last block: no transfer
     return normalised(carry, q_bthe.dtype)
 
 
-def ring(q_bthe, k_btke, v_btke, positions_bt=None, segment_ids_bt=None, *, constrain, chunk=None, window=None):
+def ring(q_bthe, k_btke, v_btke, positions_bt=None, segment_ids_bt=None, *, constrain, chunk=None, window=None,
+         scale=None, softcap=None):
     """Causal attention with the sequence split over `seq` (see above); `chunk`: key/query chunk
     of each ring step's block (None: the whole block at once)."""
     bt = q_bthe.shape[:2]
@@ -293,6 +328,8 @@ def ring(q_bthe, k_btke, v_btke, positions_bt=None, segment_ids_bt=None, *, cons
     pos_bt = jnp.arange(bt[1]) if positions_bt is None else positions_bt
     pos_bt = jnp.broadcast_to(pos_bt, bt).astype(jnp.int32)
     names_q, names_kv = ("batch", "seq", "heads", None), ("batch", "seq", "kv_heads", None)
-    local = constrain.shard_map(functools.partial(_ring_local, chunk=chunk, window=window),
+    scale = q_bthe.shape[-1] ** -0.5 if scale is None else scale
+    local = constrain.shard_map(functools.partial(_ring_local, chunk=chunk, window=window, scale=scale,
+                                                  softcap=softcap),
                                 (names_q, names_kv, names_kv, ("batch", "seq"), ("batch", "seq")), names_q)
     return local(q_bthe, k_btke, v_btke, pos_bt, seg_bt)

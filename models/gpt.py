@@ -2,7 +2,12 @@
 
 One decoder, several families as configs: Llama 2/3 (rope_scaling, tie_embeddings), Mistral
 (the Llama layout, sliding_window), Qwen2/2.5 (qkv_bias) and Qwen3 (qk_norm, its own head_dim); with
-`moe.n_experts > 1` every block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen-MoE). The rotary
+`moe.n_experts > 1` every block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen-MoE).
+OLMo 2 norms the sublayers' outputs instead of their inputs (norm_position=post) and its queries and
+keys over the whole projection (qk_norm_scope=projection). Gemma 2/3 norm both (pre_post) with
+1 + w (norm_scale), GeGLU (activation=gelu_tanh), scaled embeddings, their own attention scale and
+soft caps, and local (windowed) layers among global ones (layer_pattern: the scan runs over groups
+of layers, models/__init__.py `scan_layers`), Gemma 3 with its own rotary base for the local ones. The rotary
 layout is Hugging Face's: the head dimension is split into halves [x1, x2], rotated as
 [x1 cos - x2 sin, x2 cos + x1 sin] with frequencies theta^(-2i/E), so HF weights load unpermuted.
 
@@ -13,6 +18,7 @@ them to the mesh.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -36,6 +42,7 @@ from models import (
     no_constraint,
     param,
     scan_blocks,
+    scan_layers,
     stacked,
 )
 
@@ -46,9 +53,18 @@ BTHE = ("batch", "seq", "heads", "activation_head_dim")
 BTKE = ("batch", "seq", "kv_heads", "activation_head_dim")
 
 
-def rms_norm(x, scale, eps=1e-6):
+def rms_norm(x, scale, eps=1e-6, *, plus_one=False, axes=(-1,)):
+    """RMSNorm over `axes` times `scale` (Llama: in x's dtype), or times 1 + scale in float32 (Gemma)."""
     x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * scale
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
+    if plus_one:
+        return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+    return normed.astype(x.dtype) * scale
+
+
+def softcap(x, cap):
+    """cap * tanh(x / cap), or x when cap is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def inv_frequencies(e: int, theta: float, scaling=None) -> np.ndarray:
@@ -79,13 +95,15 @@ def rotary(x_bthe, theta: float, positions_bt=None, scaling=None):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
 
 
-def cached_attention(q_bthe, k_bske, v_bske, mask_bts):
+def cached_attention(q_bthe, k_bske, v_bske, mask_bts, scale=None, cap=None):
     """Grouped-query attention of T new queries over S cached keys where mask_bts is True
-    (query head h reads kv head h // (H/K), as `jax.nn.dot_product_attention` and HF do)."""
+    (query head h reads kv head h // (H/K), as `jax.nn.dot_product_attention` and HF do); scores
+    times `scale` (default E**-0.5), soft-capped by `cap`."""
     b, t, h, e = q_bthe.shape
     k = k_bske.shape[2]
     q_btkge = q_bthe.reshape(b, t, k, h // k, e).astype(jnp.float32)
-    s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_bske.astype(jnp.float32)) * e ** -0.5
+    s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_bske.astype(jnp.float32)) * (scale or e ** -0.5)
+    s_bkgts = softcap(s_bkgts, cap)
     s_bkgts = jnp.where(mask_bts[:, None, None], s_bkgts, -1e30)
     p_bkgts = jax.nn.softmax(s_bkgts, axis=-1)
     o_btkge = jnp.einsum("bkgts,bske->btkge", p_bkgts, v_bske.astype(jnp.float32))
@@ -110,7 +128,16 @@ class Block(nnx.Module):
         self.theta, self.constrain, self.attention = cfg.rope_theta, constrain, cfg.attention
         self.quantization = quantization
         self.rope_scaling, self.eps, self.window = cfg.rope_scaling, cfg.rms_norm_eps, cfg.sliding_window
-        self.attn_norm = param(rngs, ones, (d,), (None,))
+        self.kinds, self.local_theta = tuple(cfg.layer_pattern), cfg.rope_local_theta
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+        self.softcap, self.plus_one = cfg.attn_softcap, cfg.norm_scale == "one_plus_weight"
+        self.act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+        norm_init = zeros if self.plus_one else ones  # 1 + w starts at 1 too
+        pre, post = cfg.norm_position in ("pre", "pre_post"), cfg.norm_position in ("post", "pre_post")
+        if pre:  # on the attention's input; after it (post), on its output
+            self.attn_norm = param(rngs, norm_init, (d,), (None,))
+        if post:
+            self.attn_post_norm = param(rngs, norm_init, (d,), (None,))
         self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
         self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wk_dke"])
         self.wv_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wv_dke"])
@@ -118,11 +145,17 @@ class Block(nnx.Module):
             self.bq_he = param(rngs, zeros, (h, e), ("heads", None))
             self.bk_ke = param(rngs, zeros, (k, e), ("kv_heads", None))
             self.bv_ke = param(rngs, zeros, (k, e), ("kv_heads", None))
-        if cfg.qk_norm:
-            self.q_norm = param(rngs, ones, (e,), (None,))
-            self.k_norm = param(rngs, ones, (e,), (None,))
+        if cfg.qk_norm and cfg.qk_norm_scope == "head":
+            self.q_norm = param(rngs, norm_init, (e,), (None,))
+            self.k_norm = param(rngs, norm_init, (e,), (None,))
+        elif cfg.qk_norm:  # over the whole projection: one weight per head and channel
+            self.q_norm_he = param(rngs, norm_init, (h, e), ("heads", None))
+            self.k_norm_ke = param(rngs, norm_init, (k, e), ("kv_heads", None))
         self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), LOGICAL["wo_hed"])
-        self.mlp_norm = param(rngs, ones, (d,), (None,))
+        if pre:  # the MLP's, likewise
+            self.mlp_norm = param(rngs, norm_init, (d,), (None,))
+        if post:
+            self.mlp_post_norm = param(rngs, norm_init, (d,), (None,))
         if cfg.moe.n_experts > 1:
             self.moe = moe.Moe(cfg, rngs=rngs, constrain=constrain, quantization=quantization)
         else:
@@ -153,55 +186,71 @@ class Block(nnx.Module):
         quantized by the block's `quantization`."""
         return dense(x, self.weight(name), n_in, flat=self.constrain.size("seq") == 1, quantization=self.quantization)
 
-    def qkv(self, x_btd, positions_bt=None):
-        """Queries, keys (both rotated) and values of the normed input."""
+    def norm(self, x, name, axes=(-1,)):
+        """RMSNorm by the block's norm weight `name`; x itself when the block has no such norm."""
+        if not hasattr(self, name):
+            return x
+        return rms_norm(x, getattr(self, name)[...], self.eps, plus_one=self.plus_one, axes=axes)
+
+    def window_of(self, kind):
+        """The attention window of a layer of `kind` (layer_pattern's; None: no pattern, all alike)."""
+        return self.window if kind in (None, "local") else None
+
+    def qkv(self, x_btd, positions_bt=None, kind=None):
+        """Queries, keys (both rotated, as a layer of `kind` rotates) and values of the (normed) input."""
         c = self.constrain
-        h_btd = rms_norm(x_btd, self.attn_norm[...], self.eps)
+        h_btd = self.norm(x_btd, "attn_norm")
         q_bthe, k_btke, v_btke = (self.mm(h_btd, w) for w in ("wq_dhe", "wk_dke", "wv_dke"))
         if hasattr(self, "bq_he"):
             q_bthe, k_btke, v_btke = q_bthe + self.bq_he[...], k_btke + self.bk_ke[...], v_btke + self.bv_ke[...]
-        if hasattr(self, "q_norm"):
-            q_bthe, k_btke = rms_norm(q_bthe, self.q_norm[...], self.eps), rms_norm(k_btke, self.k_norm[...], self.eps)
-        q_bthe = c(rotary(q_bthe, self.theta, positions_bt, self.rope_scaling), BTHE)
-        k_btke = c(rotary(k_btke, self.theta, positions_bt, self.rope_scaling), BTKE)
+        q_bthe, k_btke = self.norm(q_bthe, "q_norm"), self.norm(k_btke, "k_norm")
+        q_bthe, k_btke = self.norm(q_bthe, "q_norm_he", (-2, -1)), self.norm(k_btke, "k_norm_ke", (-2, -1))
+        theta, scaling = self.theta, self.rope_scaling
+        if kind == "local" and self.local_theta is not None:
+            theta, scaling = self.local_theta, None
+        q_bthe = c(rotary(q_bthe, theta, positions_bt, scaling), BTHE)
+        k_btke = c(rotary(k_btke, theta, positions_bt, scaling), BTKE)
         return q_bthe, k_btke, c(v_btke, BTKE)
 
     def finish(self, x_btd, o_bthe):
-        """Output projection, residual, then the SwiGLU MLP (or mixture of experts) and its residual;
-        an MoE block returns (x_btd, aux losses)."""
+        """Output projection, residual, then the gated MLP (or mixture of experts) and its residual,
+        each sublayer normed where norm_position says; an MoE block returns (x_btd, aux losses)."""
         c = self.constrain
-        x_btd = c(x_btd + self.mm(o_bthe, "wo_hed", n_in=2), BTD)
-        h_btd = rms_norm(x_btd, self.mlp_norm[...], self.eps)
+        x_btd = c(x_btd + self.norm(self.mm(o_bthe, "wo_hed", n_in=2), "attn_post_norm"), BTD)
+        h_btd = self.norm(x_btd, "mlp_norm")
         if hasattr(self, "moe"):
             out_btd, aux = self.moe(h_btd)
-            return c(x_btd + out_btd, BTD), aux
+            return c(x_btd + self.norm(out_btd, "mlp_post_norm"), BTD), aux
         gate_btf = c(self.mm(h_btd, "w_gate_df"), BTF)
         up_btf = c(self.mm(h_btd, "w_up_df"), BTF)
-        out_btd = self.mm(jax.nn.silu(gate_btf) * up_btf, "w_down_fd")
-        return c(x_btd + out_btd, BTD)
+        out_btd = self.mm(self.act(gate_btf) * up_btf, "w_down_fd")
+        return c(x_btd + self.norm(out_btd, "mlp_post_norm"), BTD)
 
-    def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None):
+    def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None, kind=None):
+        """`kind`: the layer's kind in model.layer_pattern (None without one)."""
         x_btd = checkpoint_name(x_btd, "layer_input")  # names for train.remat=offload
-        q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
+        q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt, kind)
         o_bthe = attention.attend(q_bthe, k_btke, v_btke, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
-                                  impl=self.attention, constrain=self.constrain, window=self.window)
+                                  impl=self.attention, constrain=self.constrain, window=self.window_of(kind),
+                                  scale=self.scale, softcap=self.softcap)
         o_bthe = checkpoint_name(self.constrain(o_bthe, BTHE), "attention_out")
         return self.finish(x_btd, o_bthe)
 
-    def decode(self, x_btd, k_bske, v_bske, slot, positions_bt, first_b):
-        """The block for T new tokens written at cache slots slot..slot+T-1 (positions_bt their
-        rotary positions); each attends to the cached slots first_b..its own (slots before
-        first_b are a row's left padding), the last `sliding_window` of them with a window.
-        Returns (x_btd, k_bske, v_bske) with the cache updated."""
-        q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt)
+    def decode(self, x_btd, k_bske, v_bske, slot, positions_bt, first_b, kind=None):
+        """The block (a layer of `kind`) for T new tokens written at cache slots slot..slot+T-1
+        (positions_bt their rotary positions); each attends to the cached slots first_b..its own
+        (slots before first_b are a row's left padding), the last `sliding_window` of them with a
+        window. Returns (x_btd, k_bske, v_bske) with the cache updated."""
+        window = self.window_of(kind)
+        q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt, kind)
         k_bske = jax.lax.dynamic_update_slice_in_dim(k_bske, k_btke.astype(k_bske.dtype), slot, axis=1)
         v_bske = jax.lax.dynamic_update_slice_in_dim(v_bske, v_btke.astype(v_bske.dtype), slot, axis=1)
         t, s = x_btd.shape[1], k_bske.shape[1]
         key_s, query_t = jnp.arange(s), slot + jnp.arange(t)
         mask_bts = (key_s[None, None, :] <= query_t[None, :, None]) & (key_s[None, None, :] >= first_b[:, None, None])
-        if self.window is not None:
-            mask_bts &= key_s[None, None, :] > query_t[None, :, None] - self.window
-        x_btd = self.finish(x_btd, cached_attention(q_bthe, k_bske, v_bske, mask_bts))
+        if window is not None:
+            mask_bts &= key_s[None, None, :] > query_t[None, :, None] - window
+        x_btd = self.finish(x_btd, cached_attention(q_bthe, k_bske, v_bske, mask_bts, self.scale, self.softcap))
         return (x_btd[0] if isinstance(x_btd, tuple) else x_btd), k_bske, v_bske
 
 
@@ -210,10 +259,13 @@ class Gpt(nnx.Module):
         """`quantization` applies to the blocks' matmuls (projections, MLP, experts); the embedding,
         head and norms stay in the compute dtype."""
         self.constrain, self.eps, self.embed_how = constrain, cfg.rms_norm_eps, cfg.embed
+        self.plus_one, self.final_softcap = cfg.norm_scale == "one_plus_weight", cfg.final_softcap
+        self.embed_scale = cfg.d_model ** 0.5 if cfg.scale_embeddings else None
+        self.kinds = tuple(cfg.layer_pattern)
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain, quantization=quantization),
                               cfg.n_layers, rngs)
-        self.final_norm = param(rngs, ones, (cfg.d_model,), (None,))
+        self.final_norm = param(rngs, zeros if self.plus_one else ones, (cfg.d_model,), (None,))
         if not cfg.tie_embeddings:
             self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size),
                                     ("embed", "vocab"))
@@ -221,12 +273,14 @@ class Gpt(nnx.Module):
     def embed(self, tokens_bt):
         table_vd = lookup_table(self.embedding_vd[...], self.constrain)
         x_btd = embed_lookup(table_vd, tokens_bt, self.embed_how, flat=self.constrain.size("seq") == 1)
+        if self.embed_scale is not None:  # sqrt(d_model) rounded to the compute dtype, as Gemma does
+            x_btd = x_btd * jnp.asarray(self.embed_scale, x_btd.dtype)
         return self.constrain(x_btd, BTD)
 
     def head(self, x_btd):
         unembed_dv = self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
-        logits_btv = dense(rms_norm(x_btd, self.final_norm[...], self.eps), unembed_dv,
-                           flat=self.constrain.size("seq") == 1)
+        h_btd = rms_norm(x_btd, self.final_norm[...], self.eps, plus_one=self.plus_one)
+        logits_btv = softcap(dense(h_btd, unembed_dv, flat=self.constrain.size("seq") == 1), self.final_softcap)
         return self.constrain(logits_btv, BTV)
 
     def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):
@@ -239,12 +293,13 @@ class Gpt(nnx.Module):
         returns (logits_btv, updated cache). Prefill is T = prompt length, then T = 1 per step."""
         graphdef, state = nnx.split(self.blocks)
 
-        def body(x_btd, layer):
+        def body(x_btd, layer, kind):
             layer_state, k_bske, v_bske = layer
             x_btd, k_bske, v_bske = nnx.merge(graphdef, layer_state).decode(
-                x_btd, k_bske, v_bske, slot, positions_bt, first_b)
+                x_btd, k_bske, v_bske, slot, positions_bt, first_b, kind)
             return x_btd, (k_bske, v_bske)
-        x_btd, (k_lbske, v_lbske) = jax.lax.scan(body, self.embed(tokens_bt), (state, cache["k"], cache["v"]))
+        x_btd, (k_lbske, v_lbske) = scan_layers(body, self.embed(tokens_bt), (state, cache["k"], cache["v"]),
+                                                self.kinds)
         return self.head(x_btd), {"k": k_lbske, "v": v_lbske}
 
     @staticmethod

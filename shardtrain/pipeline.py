@@ -81,6 +81,12 @@ def check(cfg: RunConfig, mesh: Mesh) -> Schedule:
             f"model.n_layers={layers} does not split evenly into mesh.pipeline={stages} stages x "
             f"train.pipeline.repeats={v} repeats ({stages * v} groups of layers); make n_layers a "
             f"multiple of {stages * v} or change mesh.pipeline / train.pipeline.repeats")
+    group, pattern = layers // (stages * v), len(cfg.model.layer_pattern)
+    if pattern > 1 and group % pattern:
+        raise ConfigError(
+            f"each pipeline stage runs {group} consecutive layers, not a multiple of model.layer_pattern's "
+            f"{pattern} kinds: every stage's layers must start at the pattern's start; change mesh.pipeline / "
+            "train.pipeline.repeats")
     m = microbatches(cfg, mesh)
     batch = t.global_batch_size // t.grad_accum_steps
     rows = _rows_per_replica(cfg, mesh)

@@ -32,11 +32,14 @@ def packed_segments(t=T):
     return jnp.asarray(seg)
 
 
-def reference(q, k, v, seg=None, window=None):
-    """Explicit softmax over a causal (+ window) + same-document mask, k/v repeated to H heads."""
+def reference(q, k, v, seg=None, window=None, scale=E ** -0.5, softcap=None):
+    """Explicit softmax over a causal (+ window) + same-document mask, k/v repeated to H heads;
+    scores times `scale`, soft-capped to softcap * tanh(s / softcap)."""
     rep = H // K
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    s = jnp.einsum("bqhe,bkhe->bhqk", q, k) * E ** -0.5
+    s = jnp.einsum("bqhe,bkhe->bhqk", q, k) * scale
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
     t = q.shape[1]
     mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
     if window is not None:
@@ -57,29 +60,36 @@ def test_matches_reference_unsharded(impl, packed):
 
 
 @pytest.mark.parametrize("impl", ["xla", "chunked", "splash"])
-def test_sliding_window_matches_reference(impl):
+@pytest.mark.parametrize("gemma", [False, True], ids=["window", "window_scale_softcap"])
+def test_sliding_window_matches_reference(impl, gemma):
     """A 50-token window over packed documents: chunked (chunks of 32) reads 3 of its 4 key chunks
     per query chunk, and its own backward pass is checked too (xla and splash differentiate masks
-    that jax / Pallas apply)."""
+    that jax / Pallas apply). `gemma`: also Gemma 2's scale (query_pre_attn_scalar 24, not E = 32)
+    and a soft cap of 5, which bends most scores (xla then runs the whole-block online softmax)."""
     q, k, v = qkv(3, t=128)
     seg = packed_segments(t=128)
+    extra = dict(scale=24 ** -0.5, softcap=5.0) if gemma else {}
     if impl == "chunked":
-        fn = functools.partial(attention.chunked, segment_ids_bt=seg, chunk=32, window=50)
+        fn = functools.partial(attention.chunked, segment_ids_bt=seg, chunk=32, window=50, **extra)
     else:
-        fn = functools.partial(attention.attend, segment_ids_bt=seg, impl=impl, window=50)
+        fn = functools.partial(attention.attend, segment_ids_bt=seg, impl=impl, window=50, **extra)
 
     def out_and_grads(f):
         def loss(q, k, v):
             o = f(q, k, v)
             return (o ** 2).sum(), o
-        if impl != "chunked":
+        if impl != "chunked" and not (impl == "xla" and gemma):
             return jax.jit(f)(q, k, v), ()
         (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return o, grads
 
     got, got_grads = out_and_grads(fn)
-    want, want_grads = out_and_grads(lambda q, k, v: reference(q, k, v, seg, window=50))
+    want, want_grads = out_and_grads(lambda q, k, v: reference(q, k, v, seg, window=50, **extra))
     assert not np.allclose(want, reference(q, k, v, seg), atol=1e-3)  # the window matters here
+    if gemma:  # so do the cap and the scale; every implementation equals xla's within 1e-5 (measured 3e-7)
+        assert not np.allclose(want, reference(q, k, v, seg, window=50), atol=1e-3)
+        xla = attention.attend(q, k, v, segment_ids_bt=seg, impl="xla", window=50, **extra)
+        np.testing.assert_allclose(got, xla, atol=1e-5, rtol=0)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     for g, r in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)

@@ -11,7 +11,8 @@ from conftest import TINY
 from shardtrain import blocks, config, sharding
 
 
-def scan_equations(*overrides):
+def scan_equations(*overrides, count=1):
+    """The layer scan's equation and the primitives inside it (`count` None: also the whole jaxpr)."""
     cfg = config.load(None, [*TINY, "model.name=gpt", "model.n_heads=2", "model.n_kv_heads=2", "model.n_layers=4",
                              *overrides])
     graphdef, params = nnx.split(sharding.model_class(cfg)(cfg.model, rngs=nnx.Rngs(params=0)))
@@ -19,7 +20,9 @@ def scan_equations(*overrides):
     x_btd = jnp.zeros((2, 16, cfg.model.d_model))
     jaxpr = jax.make_jaxpr(lambda p: run(nnx.merge(graphdef, p).blocks, x_btd))(params)
     scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
-    assert len(scans) == 1
+    if count is None:
+        return scans[0], {e.primitive.name for e in scans[0].params["jaxpr"].jaxpr.eqns}, jaxpr
+    assert len(scans) == count
     return scans[0], {e.primitive.name for e in scans[0].params["jaxpr"].jaxpr.eqns}
 
 
@@ -36,3 +39,22 @@ def test_each_layer_is_rematerialised_by_the_configured_policy(remat, policy):
 def test_one_rolled_scan_over_the_layers_unrolled_as_configured():
     scan, _ = scan_equations("train.scan_unroll=2")
     assert scan.params["length"] == 4 and scan.params["unroll"] == 2
+
+
+def test_mixed_layer_kinds_scan_over_groups_and_the_program_does_not_grow_with_depth():
+    """Gemma 3's pattern (five local layers, one global): one rolled scan over groups of six layers,
+    each a remat of its own kind, then the partial group's layers; 12 or 24 layers (and the same
+    partial group after them) give programs of one size."""
+    pattern = "model.layer_pattern=[local,local,local,local,local,global]"
+
+    def program(n_layers):
+        scan, inside, _ = scan_equations(pattern, "model.sliding_window=4", f"model.n_layers={n_layers}",
+                                         "train.remat=full", count=None)
+        return scan, inside
+    scan, _ = program(12)
+    remats = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive.name.startswith(("checkpoint", "remat"))]
+    assert scan.params["length"] == 2 and len(remats) == 6
+    assert program(12)[1] == program(24)[1]
+    sizes = {n: len(str(scan_equations(pattern, "model.sliding_window=4", f"model.n_layers={n}", count=None)[2]))
+             for n in (14, 26)}  # two groups + 2 layers, four groups + 2 layers
+    assert sizes[14] == sizes[26]

@@ -12,11 +12,15 @@ from models.attention import load_balanced_order
 from shardtrain import config, mesh as mesh_lib, sharding, step as step_lib
 
 
-def reference(q, k, v, pos_bt, seg_bt, window=None):
+def reference(q, k, v, pos_bt, seg_bt, window=None, softcap=None):
     mask = (pos_bt[:, :, None] >= pos_bt[:, None, :]) & (seg_bt[:, :, None] == seg_bt[:, None, :])
     if window is not None:  # sliding window: keys fewer than `window` positions back
         mask &= pos_bt[:, :, None] - pos_bt[:, None, :] < window
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+    if softcap is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))  # Gemma 2: scores scaled by 1/3, capped
+    s = jnp.tanh(jnp.einsum("bqhe,bkhe->bhqk", q, k) / 3 / softcap) * softcap
+    return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(jnp.where(mask[:, None], s, -jnp.inf), axis=-1), v)
 
 
 def test_load_balanced_order_gives_device_i_chunks_i_and_its_mirror():
@@ -24,8 +28,8 @@ def test_load_balanced_order_gives_device_i_chunks_i_and_its_mirror():
     assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
-@pytest.mark.parametrize("chunk, window", [(8, None), (4, 10)])
-def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_documents(chunk, window):
+@pytest.mark.parametrize("chunk, window, softcap", [(8, None, None), (4, 10, None), (4, 10, 2.0), (None, 10, 2.0)])
+def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_documents(chunk, window, softcap):
     b, t, h, kh, e = 2, 64, 4, 2, 8
     q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, e)) for i, n in enumerate((h, kh, kh)))
     order = jnp.asarray(load_balanced_order(t, 4))
@@ -38,11 +42,13 @@ def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_do
         o = fn(q, k, v)
         return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape))), o
     def run_ring(q, k, v):
-        return attention.ring(q, k, v, pos_bt, seg_bt, constrain=c, chunk=chunk, window=window)
+        extra = {} if softcap is None else dict(scale=1 / 3, softcap=softcap)
+        return attention.ring(q, k, v, pos_bt, seg_bt, constrain=c, chunk=chunk, window=window, **extra)
     ring = jax.jit(jax.value_and_grad(lambda *a: loss(run_ring, *a),
                                       argnums=(0, 1, 2), has_aux=True))
-    ref = jax.jit(jax.value_and_grad(lambda *a: loss(lambda q, k, v: reference(q, k, v, pos_bt, seg_bt, window), *a),
-                                     argnums=(0, 1, 2), has_aux=True))
+    def run_reference(q, k, v):
+        return reference(q, k, v, pos_bt, seg_bt, window, softcap)
+    ref = jax.jit(jax.value_and_grad(lambda *a: loss(run_reference, *a), argnums=(0, 1, 2), has_aux=True))
     (_, o_ring), g_ring = ring(q, k, v)
     (_, o_ref), g_ref = ref(q, k, v)
     np.testing.assert_allclose(np.asarray(o_ring), np.asarray(o_ref), atol=1e-5)

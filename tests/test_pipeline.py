@@ -31,9 +31,9 @@ def loss_and_grads(prog, params, tokens_bt, runners):
         return jax.jit(lambda p, t: [jax.value_and_grad(f)(p, t) for f in objectives])(params, tokens_bt)
 
 
-def make_reference(model):
+def make_reference(model, *overrides):
     """(host params, tokens, loss, grads) of the plain model on one device."""
-    cfg, _, prog = setup(model, n_devices=1)
+    cfg, _, prog = setup(model, *overrides, n_devices=1)
     params = jax.device_get(prog.init(0)["params"])
     tokens_bt = np.asarray(jax.random.randint(jax.random.key(1), (32, 17), 0, cfg.model.vocab_size))
     [(loss, grads)] = loss_and_grads(prog, params, tokens_bt, [blocks.scan_runner(cfg)])
@@ -83,6 +83,23 @@ def test_uneven_layers_name_layers_stages_and_repeats():
     with pytest.raises(ConfigError, match=r"n_layers=6 .*mesh.pipeline=2 stages x train.pipeline.repeats=2"):
         setup("mlp", "model.n_layers=6", "mesh.pipeline=2", "mesh.data=4", "train.pipeline.schedule=circular",
               "train.pipeline.repeats=2")
+
+
+GEMMA = ["model.layer_pattern=[local,global]", "model.sliding_window=4", "model.norm_position=pre_post",
+         "model.norm_scale=one_plus_weight", "model.attn_softcap=5.0", "model.activation=gelu_tanh"]
+
+
+def test_local_and_global_layers_pipeline_like_plain_and_stages_start_at_the_pattern():
+    """Gemma-like layers (local, global) x 4: each stage's layers start at the pattern's start, so
+    GPipe (4 layers a stage) and circular (2 a group) match the plain model; 4 layers a stage of a
+    3-kind pattern would not, and are refused."""
+    reference = make_reference("gpt", *GEMMA)
+    assert_pipelines_match(reference, "gpt", [*GEMMA, "mesh.pipeline=2", "mesh.data=4"], [4])
+    assert_pipelines_match(reference, "gpt", [*GEMMA, "mesh.pipeline=2", "mesh.data=4", "train.pipeline.repeats=2",
+                                              "train.pipeline.schedule=circular"], [2])
+    with pytest.raises(ConfigError, match="each pipeline stage runs 4 consecutive layers, not a multiple of "
+                                          "model.layer_pattern's 3 kinds"):
+        setup("gpt", *GEMMA, "model.layer_pattern=[local,local,global]", "mesh.pipeline=2", "mesh.data=4")
 
 
 def test_microbatches_must_divide_the_batch_and_cover_the_stages():

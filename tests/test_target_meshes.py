@@ -23,6 +23,8 @@ TARGETS = {  # config: (devices, devices per host, slices/hosts joined over DCN)
     "llama3_70b_gpu_64": (64, 8, 8),
     "mixtral_8x7b_gpu_32": (32, 8, 4),
     "mixtral_8x7b_v5p_128": (128, 4, 1),
+    "gemma2_9b_v5p_64": (64, 4, 1),
+    "olmo2_7b_v5p_64": (64, 4, 1),
 }
 
 

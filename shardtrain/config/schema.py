@@ -178,7 +178,7 @@ class MoeConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
-    Mistral, Qwen2/2.5 and Qwen3 are configs of the one decoder `gpt` (alias `llama`)."""
+    Mistral, Qwen2/2.5/3, OLMo 2 and Gemma 2/3 are configs of the one decoder `gpt` (alias `llama`)."""
 
     name: str = "gpt"
     vocab_size: int = 256
@@ -208,11 +208,39 @@ class ModelConfig:
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2 / Qwen2.5)."""
     qk_norm: bool = False
-    """RMSNorm over each query and key head before rotary (Qwen3)."""
+    """RMSNorm on the queries and keys before rotary (Qwen3, OLMo 2, Gemma 3; see qk_norm_scope)."""
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """With qk_norm: RMSNorm over each head (Qwen3, Gemma 3) or over the whole query / key
+    projection, all heads at once (OLMo 2)."""
     sliding_window: Optional[int] = None
     """Sliding-window causal attention: a token attends to itself and the W - 1 tokens before it
     (Hugging Face's `sliding_window`: Mistral, Qwen2 with use_sliding_window); null: the whole
-    causal context. Every attention implementation and generation's KV cache honour it."""
+    causal context. Every attention implementation and generation's KV cache honour it. With
+    layer_pattern, only its `local` layers use it."""
+    layer_pattern: tuple[Literal["global", "local"], ...] = ()
+    """A repeating group of layer kinds: `local` layers attend within sliding_window, `global` ones
+    to the whole context (Gemma 2: [local, global]; Gemma 3: five local, one global). The layers
+    run as a rolled scan over groups (n_layers need not be a multiple: the last partial group
+    follows the pattern's start). Empty: every layer alike."""
+    rope_local_theta: Optional[float] = None
+    """Rotary base of the `local` layers of layer_pattern, without rope_scaling (Gemma 3's
+    rope_local_base_freq); null: they rotate as the global ones (rope_theta, rope_scaling)."""
+    norm_position: Literal["pre", "post", "pre_post"] = "pre"
+    """Where each block's RMSNorms sit: `pre` on the attention and MLP inputs (Llama); `post` on
+    their outputs, before the residual add (OLMo 2); `pre_post` both (Gemma 2/3)."""
+    norm_scale: Literal["weight", "one_plus_weight"] = "weight"
+    """Every RMSNorm multiplies by its weight w, or by 1 + w computed in float32 (Gemma; w starts at 0)."""
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    """The gated MLP's activation: SwiGLU (silu) or GeGLU with tanh-approximated GELU (Gemma)."""
+    scale_embeddings: bool = False
+    """Token embeddings times sqrt(d_model), rounded to the compute dtype (Gemma)."""
+    query_pre_attn_scalar: Optional[int] = None
+    """Attention scores scaled by query_pre_attn_scalar**-0.5 instead of head_size**-0.5 (Gemma)."""
+    attn_softcap: Optional[float] = None
+    """Attention scores soft-capped to c * tanh(s / c) before the mask (Gemma 2's
+    attn_logit_softcapping); null: none. Not with attention=cudnn (its kernel has no cap)."""
+    final_softcap: Optional[float] = None
+    """Output logits soft-capped to c * tanh(logits / c) (Gemma 2's final_logit_softcapping)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
     moe: MoeConfig = field(default_factory=MoeConfig)

@@ -162,6 +162,15 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.sliding_window is not None and m.sliding_window < 1:
         raise ConfigError(f"model.sliding_window: must be >= 1 (or null: the whole context), got {m.sliding_window}")
+    if m.layer_pattern and m.sliding_window is None and "local" in m.layer_pattern:
+        raise ConfigError(f"model.layer_pattern={list(m.layer_pattern)} has local layers but model.sliding_window "
+                          "is null; set the window they use")
+    for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+        if getattr(m, name) is not None and getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}: must be > 0 (or null: none), got {getattr(m, name)}")
+    if m.attn_softcap is not None and m.attention == "cudnn":
+        raise ConfigError("model.attention=cudnn cannot soft-cap attention scores (model.attn_softcap); "
+                          "use attention=chunked or auto on a GPU")
     validate_moe(m.moe)
     if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "

@@ -1,10 +1,11 @@
 """An HF config.json <-> our ModelConfig, each family's differences read from hf/families.py.
 
 `model_config` reads either rope form (top-level rope_theta / rope_scaling, or transformers 5's
-rope_parameters) and refuses what the one decoder of models/gpt.py cannot compute (another
-activation, an o_proj bias, partial rotary, a mix of windowed and full layers, dense layers
-between MoE layers). `hf_config` writes the config.json transformers loads: the imported one
-updated, or a fresh one for the family that holds the model config.
+rope_parameters, Gemma 3's per layer type) and refuses what the one decoder of models/gpt.py cannot
+compute (another activation, an o_proj bias, partial rotary, a mix of windowed and full layers
+outside the Gemma families, dense layers between MoE layers, bidirectional attention).
+`hf_config` writes the config.json transformers loads: the imported one updated, or a fresh one for
+the family that holds the model config.
 """
 
 from __future__ import annotations
@@ -12,41 +13,75 @@ from __future__ import annotations
 import dataclasses
 
 from shardtrain.config import ConfigError, ModelConfig, MoeConfig, RopeScalingConfig
-from shardtrain.hf.families import FAMILIES, Family, Moe, family_for, family_of, field_of, misfits
+from shardtrain.hf.families import FAMILIES, TRAIT_DEFAULTS, Family, Moe, family_for, family_of, field_of, misfits
+
+ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+"""Our model.activation -> transformers' name of it."""
+LAYER_KINDS = {"sliding_attention": "local", "full_attention": "global"}
+"""transformers' layer_types -> our layer_pattern kinds."""
 
 
 def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     """Our model config for an HF config.json."""
     family = family_of(hf, where)
-    for key, ok in [("hidden_act", "silu"), ("mlp_bias", False), ("partial_rotary_factor", 1.0)]:
-        if hf.get(key, ok) != ok:
+    act = ACTIVATIONS[family.trait("activation")]
+    for key, ok in [(family.act_key, act), ("mlp_bias", False), ("partial_rotary_factor", 1.0),
+                    ("use_bidirectional_attention", False)]:
+        if (hf.get(key) or ok) != ok:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r})")
     if hf.get("attention_bias") and not family.qkv_bias:
         raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
-    theta, rope_scaling = rope(hf, where)
+    theta, rope_scaling, local_theta = rope(hf, where)
     head_dim = hf.get("head_dim") or d // h
-    fields = dict(sliding_window=sliding_window(hf, family, where),
+    window, pattern = sliding_window(hf, family, where)
+    fields = dict(sliding_window=window, layer_pattern=pattern,
         name=family.model_type, vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=h,
         n_kv_heads=hf.get("num_key_value_heads") or h, d_ff=hf["intermediate_size"], rope_theta=theta,
         rope_scaling=rope_scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        head_dim=None if head_dim * h == d else head_dim, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)
+        tie_embeddings=bool(hf.get("tie_word_embeddings", family.window == "layer_types")),  # Gemma: tied by default
+        head_dim=None if head_dim * h == d else head_dim, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+        **{k: family.trait(k) for k in TRAIT_DEFAULTS}, **extras(hf, family, local_theta, where))
     return ModelConfig(**{**fields, **moe_fields(hf, family, where)})
 
 
-def rope(hf: dict, where: str) -> tuple[float, RopeScalingConfig | None]:
-    """(rope_theta, rope scaling or None) of an HF config.json."""
+def extras(hf: dict, family: Family, local_theta: float | None, where: str) -> dict:
+    """The family's optional fields (Family.extras) from config.json: Gemma's attention scale and soft caps."""
+    scalar = hf.get("query_pre_attn_scalar")
+    if scalar is not None and float(scalar) != int(scalar):  # transformers' is an int; never round one
+        raise ConfigError(f"{where}: query_pre_attn_scalar={scalar!r} is not supported (only a whole number)")
+    keys = {"query_pre_attn_scalar": ("query_pre_attn_scalar", int), "attn_softcap": ("attn_logit_softcapping", float),
+            "final_softcap": ("final_logit_softcapping", float)}
+    out = {ours: None if hf.get(key) is None else kind(hf[key])
+           for ours, (key, kind) in keys.items() if ours in family.extras}
+    if "rope_local_theta" in family.extras:
+        out["rope_local_theta"] = local_theta
+    return out
+
+
+def rope(hf: dict, where: str) -> tuple[float, RopeScalingConfig | None, float | None]:
+    """(rope_theta, rope scaling or None, the local layers' rope_theta or None) of an HF config.json.
+    Gemma 3 rotates its local (sliding_attention) layers by a base of their own, without scaling:
+    rope_parameters per layer type (transformers 5) or rope_local_base_freq."""
     params = hf.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in params:  # per layer type
+        params, local_params = params["full_attention"] or {}, params.get("sliding_attention") or {}
+        if local_params.get("rope_type", "default") != "default":
+            raise ConfigError(f"{where}: rope type {local_params['rope_type']!r} of the sliding_attention layers is "
+                              "not supported; supported: default")
+        local = local_params.get("rope_theta")
+    if local is None:
+        local = hf.get("rope_local_base_freq", 10000.0)
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind not in ("default", "linear", "llama3"):
         raise ConfigError(f"{where}: rope type {kind!r} is not supported; supported: default, linear, llama3")
     if kind == "default":
-        return float(theta), None
+        return float(theta), None, float(local)
     fields = {f.name for f in dataclasses.fields(RopeScalingConfig)} - {"type"}
-    return float(theta), RopeScalingConfig(type=kind, **{k: v for k, v in scaling.items() if k in fields})
+    return float(theta), RopeScalingConfig(type=kind, **{k: v for k, v in scaling.items() if k in fields}), float(local)
 
 
 def moe_fields(hf: dict, family: Family, where: str) -> dict:
@@ -74,11 +109,13 @@ def moe_fields(hf: dict, family: Family, where: str) -> dict:
     return {**d_ff, "moe": MoeConfig(**out)}
 
 
-def sliding_window(hf: dict, family: Family, where: str) -> int | None:
-    """The window every layer uses, as transformers decides it (families.Family.window). A mix of
-    windowed and full layers is refused (one window for all our layers)."""
+def sliding_window(hf: dict, family: Family, where: str) -> tuple[int | None, tuple[str, ...]]:
+    """(the window, our layer_pattern) as transformers decides them (families.Family.window). Outside
+    the Gemma families a mix of windowed and full layers is refused (one window for all our layers)."""
     if family.window == "never":
-        return None
+        return None, ()
+    if family.window == "layer_types":
+        return hf.get("sliding_window"), layer_pattern(hf, family, where)
     always = family.window == "always"
     window = hf.get("sliding_window")
     if not always and not hf.get("use_sliding_window", False):
@@ -92,7 +129,25 @@ def sliding_window(hf: dict, family: Family, where: str) -> int | None:
     if 0 < windowed < n:
         raise ConfigError(f"{where}: {windowed} of {n} layers use sliding_window={window} and the others full "
                           "attention (max_window_layers / layer_types); only one kind for all layers is supported")
-    return int(window) if windowed and window else None
+    return (int(window) if windowed and window else None), ()
+
+
+def layer_pattern(hf: dict, family: Family, where: str) -> tuple[str, ...]:
+    """Our layer_pattern for config.json's layer_types (or its default, `sliding_window_pattern`):
+    their shortest repeating group, as local / global kinds."""
+    n = hf["num_hidden_layers"]
+    every = hf.get("sliding_window_pattern") or family.pattern
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                                      for i in range(n)]
+    unknown = sorted(set(types) - set(LAYER_KINDS))
+    if unknown or len(types) != n:
+        raise ConfigError(f"{where}: layer_types {unknown or types} not supported; supported: one of "
+                          f"{', '.join(LAYER_KINDS)} for each of the {n} layers")
+    g = next(g for g in range(1, n + 1) if all(types[i] == types[i % g] for i in range(n)))
+    if "sliding_attention" in types and not hf.get("sliding_window"):
+        raise ConfigError(f"{where}: layer_types has sliding_attention layers but sliding_window is "
+                          f"{hf.get('sliding_window')}")
+    return tuple(LAYER_KINDS[t] for t in types[:g])
 
 
 # ----------------------------------------------------------------------------- ours -> config.json
@@ -116,7 +171,8 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
     """config.json for our model config: `base` (the imported model's) updated, or a fresh one."""
     family = export_family(m, base)
     out = dict(base) if base else {"architectures": [family.architecture], "model_type": family.model_type,
-                                   "hidden_act": "silu", "max_position_embeddings": 4096, "attention_bias": False}
+                                   "max_position_embeddings": 4096, "attention_bias": False}
+    out[family.act_key] = ACTIVATIONS[m.activation]
     rope = rope_parameters(m)
     out.update(vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
                num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, intermediate_size=m.d_ff,
@@ -134,10 +190,27 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
             out["sliding_window"] = m.sliding_window
         if "layer_types" in out:
             out["layer_types"] = ["sliding_attention" if windowed else "full_attention"] * m.n_layers
+    if family.window == "layer_types":
+        out.update(gemma_keys(m, family, rope))
     if m.rope_scaling is not None:
         out["rope_scaling"] = rope
     else:
         out.pop("rope_scaling", None)
+    return out
+
+
+def gemma_keys(m: ModelConfig, family: Family, rope: dict) -> dict:
+    """The keys of a Gemma config.json: layer kinds, window, attention scale, soft caps and (Gemma 3)
+    rope_parameters per layer type."""
+    kinds = m.layer_pattern or (("local",) if m.sliding_window else ("global",))
+    names = {kind: name for name, kind in LAYER_KINDS.items()}
+    out = {"layer_types": [names[kinds[i % len(kinds)]] for i in range(m.n_layers)], "sliding_window": m.sliding_window,
+           "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_size,
+           "attn_logit_softcapping": m.attn_softcap, "final_logit_softcapping": m.final_softcap}
+    if "rope_local_theta" in family.extras:
+        local = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
+        out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": local}}, rope_local_base_freq=local)
     return out
 
 

@@ -3,7 +3,9 @@ config mapping (hf/config.py) and the tensor layout (hf/layout.py) need, in one 
 
 All of them are configs of the one decoder in models/gpt.py. A family differs from another in
 - its attention: q/k/v biases (Qwen2), RMSNorm on each query and key head (Qwen3);
-- how config.json decides the sliding window (`window`);
+- the model fields it fixes (`traits`: OLMo 2's norms after the sublayers, Gemma's GeGLU, ...) and
+  the optional ones its config.json can hold (`extras`: Gemma's soft caps, ...);
+- how config.json decides the sliding window (`window`: Gemma's `layer_types` mix local and global layers);
 - for a mixture of experts: which config.json key holds each of our MoE fields, the defaults when
   a key is absent, and the names of its MoE MLP's tensors.
 
@@ -14,6 +16,7 @@ feature.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,11 +52,34 @@ class Family:
     model_type: str
     qkv_bias: bool = False
     qk_norm: bool = False
-    window: Literal["never", "always", "use_sliding_window"] = "never"
+    window: Literal["never", "always", "use_sliding_window", "layer_types"] = "never"
     """How config.json sets the sliding window: never (Llama); `sliding_window` on every layer
     (Mistral, Mixtral); `sliding_window` when `use_sliding_window`, on the layers from
-    `max_window_layers` on or as `layer_types` says (Qwen)."""
+    `max_window_layers` on or as `layer_types` says (Qwen); on the `sliding_attention` layers of
+    `layer_types` (default: all but every `pattern`-th), the others global (Gemma)."""
     moe: Moe | None = None
+    traits: dict[str, object] = field(default_factory=dict)
+    """Our ModelConfig fields (TRAITS) the family fixes where they differ from the defaults."""
+    extras: tuple[str, ...] = ()
+    """Our optional ModelConfig fields (EXTRAS) its config.json can hold (set, not null)."""
+    pattern: int = 0
+    """window=layer_types: without `layer_types`, every pattern-th layer is global (Gemma 3 reads
+    `sliding_window_pattern` first)."""
+    act_key: str = "hidden_act"
+    """The config.json key of the MLP's activation."""
+
+    def trait(self, name: str):
+        """The value the family fixes for ModelConfig field `name` (one of TRAITS)."""
+        return self.traits.get(name, TRAIT_DEFAULTS[name])
+
+
+TRAIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                  if f.name in ("norm_position", "norm_scale", "activation", "scale_embeddings", "qk_norm_scope")}
+"""The ModelConfig fields a family fixes (Family.traits), with their defaults."""
+EXTRAS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta")
+"""Optional ModelConfig fields only some families hold (Family.extras)."""
+GEMMA = dict(traits={"norm_position": "pre_post", "norm_scale": "one_plus_weight", "activation": "gelu_tanh",
+                     "scale_embeddings": True}, window="layer_types", act_key="hidden_activation")
 
 
 QWEN_MOE_KEYS = {"router_aux_loss_coef": ("router_aux_loss_coef",),
@@ -68,6 +94,10 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
     Family("MistralForCausalLM", "mistral", window="always"),
     Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window="use_sliding_window"),
     Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window="use_sliding_window"),
+    Family("Olmo2ForCausalLM", "olmo2", qk_norm=True, traits={"norm_position": "post", "qk_norm_scope": "projection"}),
+    Family("Gemma2ForCausalLM", "gemma2", **GEMMA, pattern=2,
+           extras=("query_pre_attn_scalar", "attn_softcap", "final_softcap")),
+    Family("Gemma3ForCausalLM", "gemma3", **GEMMA, pattern=6, qk_norm=True, extras=EXTRAS),
     Family("MixtralForCausalLM", "mixtral", window="always", moe=Moe(
         keys={"router_aux_loss_coef": ("router_aux_loss_coef",), "n_experts": ("num_local_experts",),
               "experts_per_token": ("num_experts_per_tok",)},
@@ -101,6 +131,9 @@ def misfits(f: Family, m: ModelConfig) -> list[str]:
     out = [f"qkv_bias={m.qkv_bias}"] if m.qkv_bias != f.qkv_bias else []
     out += [f"qk_norm={m.qk_norm}"] if m.qk_norm != f.qk_norm else []
     out += [f"sliding_window={m.sliding_window}"] if m.sliding_window and f.window == "never" else []
+    out += [f"{k}={getattr(m, k)!r}" for k in TRAIT_DEFAULTS if getattr(m, k) != f.trait(k)]
+    out += [f"{k}={getattr(m, k)}" for k in EXTRAS if getattr(m, k) is not None and k not in f.extras]
+    out += [f"layer_pattern={list(m.layer_pattern)}"] if m.layer_pattern and f.window != "layer_types" else []
     e = m.moe
     if (e.n_experts > 1) != (f.moe is not None):
         return [*out, f"n_experts={e.n_experts}"]

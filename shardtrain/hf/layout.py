@@ -5,9 +5,14 @@ Layouts (ours <- HF, per layer i; our block parameters are stacked on a leading 
   blocks/wq_dhe (D, H, E) <- model.layers.i.self_attn.q_proj.weight (H*E, D), transposed
   blocks/wk_dke, wv_dke   <- k_proj / v_proj.weight (K*E, D), transposed
   blocks/wo_hed (H, E, D) <- o_proj.weight (D, H*E), transposed
-  blocks/bq_he, bk_ke, bv_ke <- q/k/v_proj.bias (Qwen2);  blocks/q_norm, k_norm <- q/k_norm.weight (Qwen3)
+  blocks/bq_he, bk_ke, bv_ke <- q/k/v_proj.bias (Qwen2);  blocks/q_norm, k_norm <- q/k_norm.weight (Qwen3, Gemma 3)
+  blocks/q_norm_he (H, E), k_norm_ke (K, E) <- q/k_norm.weight (H*E,), (K*E,) (OLMo 2: over the whole projection)
   blocks/w_gate_df, w_up_df (D, F) <- gate_proj / up_proj.weight (F, D);  w_down_fd <- down_proj (D, F)
-  blocks/attn_norm, mlp_norm <- input_layernorm, post_attention_layernorm;  final_norm <- model.norm
+  the norms by model.norm_position (final_norm <- model.norm):
+    pre (Llama):       attn_norm, mlp_norm <- input_layernorm, post_attention_layernorm
+    post (OLMo 2):     attn_post_norm, mlp_post_norm <- post_attention_layernorm, post_feedforward_layernorm
+    pre_post (Gemma):  attn_norm, attn_post_norm, mlp_norm, mlp_post_norm <- input_layernorm,
+                       post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm
   MoE blocks (per expert j; MLP and expert names: families.Moe.mlp / experts):
   blocks/moe/router_de (D, E) <- MLP.gate.weight (E, D), transposed
   blocks/moe/w_gate_edf, w_up_edf (E, D, F) <- MLP.experts.j.w1 / w3 (Mixtral), gate_proj / up_proj (Qwen) (F, D)
@@ -57,6 +62,13 @@ def tr(a):
     return a.T
 
 
+NORMS = {"pre": [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")],
+         "post": [("attn_post_norm", "post_attention_layernorm"), ("mlp_post_norm", "post_feedforward_layernorm")],
+         "pre_post": [("attn_norm", "input_layernorm"), ("attn_post_norm", "post_attention_layernorm"),
+                      ("mlp_norm", "pre_feedforward_layernorm"), ("mlp_post_norm", "post_feedforward_layernorm")]}
+"""model.norm_position -> each block norm's (our name, the HF module under model.layers.{i})."""
+
+
 def tensor_map(m: ModelConfig) -> list[Entry]:
     d, h, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
     e = m.head_size
@@ -67,9 +79,10 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
     def bias(n):
         return (lambda a: a.reshape(n, e)), (lambda a: a.reshape(n * e))
     layer, attn, mlp = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
-    entries = [
-        Entry(("embedding_vd",), "model.embed_tokens.weight", (v, d), same, same),
-        Entry(("blocks", "attn_norm"), layer + "input_layernorm.weight", (d,), same, same),
+    entries = [Entry(("embedding_vd",), "model.embed_tokens.weight", (v, d), same, same)]
+    entries += [Entry(("blocks", ours), layer + hf + ".weight", (d,), same, same)
+                for ours, hf in NORMS[m.norm_position]]
+    entries += [
         Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * e, d), *proj(h)),
         Entry(("blocks", "wk_dke"), attn + "k_proj.weight", (k * e, d), *proj(k)),
         Entry(("blocks", "wv_dke"), attn + "v_proj.weight", (k * e, d), *proj(k)),
@@ -78,13 +91,15 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
         entries += [Entry(("blocks", "bq_he"), attn + "q_proj.bias", (h * e,), *bias(h)),
                     Entry(("blocks", "bk_ke"), attn + "k_proj.bias", (k * e,), *bias(k)),
                     Entry(("blocks", "bv_ke"), attn + "v_proj.bias", (k * e,), *bias(k))]
-    if m.qk_norm:
+    if m.qk_norm and m.qk_norm_scope == "head":
         entries += [Entry(("blocks", "q_norm"), attn + "q_norm.weight", (e,), same, same),
                     Entry(("blocks", "k_norm"), attn + "k_norm.weight", (e,), same, same)]
+    elif m.qk_norm:
+        entries += [Entry(("blocks", "q_norm_he"), attn + "q_norm.weight", (h * e,), *bias(h)),
+                    Entry(("blocks", "k_norm_ke"), attn + "k_norm.weight", (k * e,), *bias(k))]
     entries += [
         Entry(("blocks", "wo_hed"), attn + "o_proj.weight", (d, h * e),
               lambda a: a.T.reshape(h, e, d), lambda a: a.reshape(h * e, d).T),
-        Entry(("blocks", "mlp_norm"), layer + "post_attention_layernorm.weight", (d,), same, same),
     ]
     if m.moe.n_experts > 1:
         entries += moe_entries(m)

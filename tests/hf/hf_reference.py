@@ -6,6 +6,9 @@ transformers, with transformers' logits and greedy generation (tests/fixtures/ma
 made them). Llama uses llama3 rope scaling, Qwen2 qkv biases and tied embeddings, Qwen3 qk-norm,
 head_dim 16 != 32/4 and a sharded checkpoint with an index. The mixtures of experts (4 experts,
 top 2): Mixtral, Qwen2-MoE with a gated shared expert and unnormalised top-k weights, Qwen3-MoE.
+OLMo 2: post-norms, qk-norm over the whole projection. Gemma 2 (3 layers: local, global, local;
+window 6, soft caps) and Gemma 3 (4 layers: local, local, global, local; qk-norm, the local
+layers' rotary base, linear scaling on the global ones): head_dim 16, query_pre_attn_scalar 24.
 """
 
 import dataclasses
@@ -20,7 +23,8 @@ from shardtrain import config, mesh as mesh_lib, sharding
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES]
+NEW_FAMILIES = ["olmo2", "gemma2", "gemma3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *NEW_FAMILIES]
 
 
 def reference(family):
@@ -28,11 +32,11 @@ def reference(family):
     return json.loads((d / "reference.json").read_text()), np.load(d / "reference_logits.npy")
 
 
-def our_logits(source, tokens_bt, mesh_overrides, devices=None, run_dir="/tmp/unused"):
-    """Our model's logits for `source`'s weights on a mesh."""
+def our_logits(source, tokens_bt, mesh_overrides, devices=None, run_dir="/tmp/unused", model=None):
+    """Our model's logits for `source`'s weights on a mesh (as `model`, default the source's own config)."""
     cfg = config.load(None, [*mesh_overrides, "train.global_batch_size=8", f"run_dir={run_dir}"])
-    cfg = dataclasses.replace(cfg, model=source.model)
+    cfg = dataclasses.replace(cfg, model=model or source.model)
     layout = sharding.param_layout(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
-    params = source.params(layout.params)
+    params = source.params(layout.params, cfg.model)
     out = jax.jit(lambda p, t: nnx.merge(layout.graphdef, p)(t))(params, tokens_bt)
     return np.asarray(out[0] if isinstance(out, tuple) else out)  # an MoE model: (logits, aux losses)

@@ -107,3 +107,62 @@ def test_a_model_config_no_family_holds_is_refused_not_exported_without_a_featur
     mixtral = model_config(read_config(FIXTURES / "mixtral"))
     with pytest.raises(ConfigError, match="MixtralForCausalLM cannot hold norm_topk_prob=False"):
         hf_config(dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, norm_topk_prob=False)))
+
+
+OLMO2_7B = {"architectures": ["Olmo2ForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-6,
+            "rope_theta": 500000, "tie_word_embeddings": False, "vocab_size": 100352, "hidden_act": "silu",
+            "attention_bias": False}
+"""OLMo-2-1124-7B's config.json (the fields that matter)."""
+
+
+def test_olmo2_config_file_maps_to_our_fields_and_back():
+    m = model_config(OLMO2_7B)
+    assert (m.norm_position, m.qk_norm, m.qk_norm_scope, m.layer_pattern) == ("post", True, "projection", ())
+    assert model_config(hf_config(m)) == m
+    with pytest.raises(ConfigError, match="imported from a Olmo2ForCausalLM, which cannot hold .*norm_position='pre'"):
+        hf_config(dataclasses.replace(m, norm_position="pre", qk_norm_scope="head", qk_norm=False, qkv_bias=True),
+                  base=OLMO2_7B)
+    with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
+        model_config({**OLMO2_7B, "hidden_act": "gelu"})
+
+
+def test_gemma_config_files_map_to_our_fields_and_back():
+    """Published config.json files (the fields that matter): Gemma-2-9B and Gemma-3-1B (26 layers:
+    four groups of five local + one global, then two local layers), Gemma 3 in its older form
+    (rope_local_base_freq, sliding_window_pattern) and transformers 5's."""
+    gemma2_9b = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 14336,
+                 "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8, "head_dim": 256,
+                 "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                 "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 256000,
+                 "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    m = model_config(gemma2_9b)
+    assert (m.layer_pattern, m.sliding_window, m.attn_softcap, m.final_softcap, m.query_pre_attn_scalar) == (
+        ("local", "global"), 4096, 50.0, 30.0, 256)
+    assert (m.norm_position, m.norm_scale, m.activation, m.scale_embeddings, m.tie_embeddings, m.head_dim) == (
+        "pre_post", "one_plus_weight", "gelu_tanh", True, True, 256)
+    assert model_config(hf_config(m)) == m and hf_config(m)["architectures"] == ["Gemma2ForCausalLM"]
+    gemma3_1b = {"architectures": ["Gemma3ForCausalLM"], "hidden_size": 1152, "intermediate_size": 6912,
+                 "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "head_dim": 256,
+                 "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+                 "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None,
+                 "final_logit_softcapping": None, "attn_logit_softcapping": None, "vocab_size": 262144,
+                 "hidden_activation": "gelu_pytorch_tanh"}
+    m = model_config(gemma3_1b)
+    assert m.layer_pattern == ("local",) * 5 + ("global",) and m.qk_norm and m.qk_norm_scope == "head"
+    assert (m.rope_theta, m.rope_local_theta, m.rope_scaling, m.attn_softcap) == (1e6, 1e4, None, None)
+    new_form = hf_config(m)
+    assert new_form["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert new_form["layer_types"][24:] == ["sliding_attention"] * 2 and model_config(new_form) == m
+    scaled = model_config({**gemma3_1b, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert scaled.rope_scaling == config.RopeScalingConfig(type="linear", factor=8.0)
+    assert model_config(hf_config(scaled)) == scaled
+    for bad, message in [({"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported"),
+                         ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
+                         ({"query_pre_attn_scalar": 24.5}, "query_pre_attn_scalar=24.5 is not supported"),
+                         ({"layer_types": ["chunked_attention"] * 26},
+                          "layer_types .'chunked_attention'. not supported"),
+                         ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn"}, "full_attention": {}}},
+                          "rope type 'yarn' of the sliding_attention layers is not supported")]:
+        with pytest.raises(ConfigError, match=message):
+            model_config({**gemma3_1b, **bad})

@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from hf_reference import FIXTURES, our_logits, reference
+from hf_reference import FIXTURES, NEW_FAMILIES, our_logits, reference
 
 from shardtrain import cli, config, mesh as mesh_lib, sharding
 from shardtrain.config import ConfigError
@@ -39,8 +39,8 @@ def test_import_then_export_round_trips_bit_exactly(tmp_path, monkeypatch, capfd
     assert model_config(json.loads((tmp_path / "exp" / "config.json").read_text())) == HfDir(src).model
 
 
-def test_moe_import_then_export_round_trips_bit_exactly(tmp_path):
-    src = FIXTURES / "qwen2_moe"  # per-expert tensors, a gated shared expert, qkv bias
+def round_trip(src, tmp_path):
+    """import-hf then export-hf of `src`: every tensor comes back bit for bit; the export's directory."""
     weights.import_hf(str(src), str(tmp_path / "imp"), say=lambda _: None)
     weights.export_hf(str(tmp_path / "imp"), str(tmp_path / "exp"), say=lambda _: None)
     a = safetensors_io.Reader(safetensors_files(src))
@@ -48,6 +48,22 @@ def test_moe_import_then_export_round_trips_bit_exactly(tmp_path):
     assert sorted(a.names()) == sorted(b.names())
     for name in a.names():
         assert a.dtype(name) == b.dtype(name) and np.array_equal(a.get(name), b.get(name)), name
+    return tmp_path / "exp"
+
+
+def test_moe_import_then_export_round_trips_bit_exactly(tmp_path):
+    round_trip(FIXTURES / "qwen2_moe", tmp_path)  # per-expert tensors, a gated shared expert, qkv bias
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_new_families_import_then_export_round_trip_bit_exactly(tmp_path, family):
+    """Every tensor (OLMo 2's post-norms and whole-projection qk-norm weights, Gemma's four norms a
+    layer and tied embeddings) and the config.json (layer kinds, soft caps, Gemma 3's rope per layer kind)."""
+    src = FIXTURES / family
+    exported = json.loads((round_trip(src, tmp_path) / "config.json").read_text())
+    assert model_config(exported) == HfDir(src).model
+    original = json.loads((src / "config.json").read_text())
+    assert {k: exported.get(k) for k in original} == original
 
 
 @pytest.mark.slow
