@@ -31,9 +31,10 @@ def resolve_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
 
 
 def granule(device) -> int:
-    """What the `mesh.dcn` axes run across: a TPU's slice, any other device's host (GPU node)."""
+    """What the `mesh.dcn` axes run across: a TPU's slice, any other device's host (GPU node). A
+    compile-only TPU topology of one slice has no slice_index (its hosts are not slices)."""
     if device.platform == "tpu":
-        return getattr(device, "slice_index", device.process_index)
+        return getattr(device, "slice_index", 0)
     return device.process_index
 
 

@@ -149,6 +149,17 @@ def test_tpu_estimate_is_within_the_chip():
         assert e["tpu_cost_model_step_s"] is None or e["tpu_cost_model_step_s"] > 0
 
 
+def test_one_slice_over_several_hosts_is_one_slice():
+    # v5p 2x2x2: 8 chips on 2 hosts of one slice (a compile-only topology's devices have no
+    # slice_index): no axis is costed as DCN and the report does not call the hosts slices
+    cfg = config.load(None, ["mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1", "mesh.dcn.data=1"])
+    devices = list(topology.devices(chips.CHIPS["v5p"], "2x2x2"))
+    assert len({d.process_index for d in devices}) == 2
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    assert mesh_lib.cross_granule_axes(mesh) == set()
+    assert planner.topology_name(mesh) == "TPU v5, 8 chips"
+
+
 def test_multi_slice_plan_counts_the_reduction_across_slices():
     """Two v5p 2x2x1 slices, fsdp=4 inside each, data=2 across them over DCN: the gradient shards
     (a quarter of every gradient per chip) are reduced across the slices once per step."""
