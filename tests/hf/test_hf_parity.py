@@ -33,7 +33,8 @@ def test_logits_equal_transformers_on_2x2x2_mesh_and_one_device(family):
     assert np.abs(sharded - single).max() < 1e-5 * np.abs(want).max()  # logits up to ~8: reduction order
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "olmo2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "olmo2", "gemma2", "gemma3",
+                                    "deepseek_v3"])
 def test_greedy_generation_equals_transformers(family):
     ref, _ = reference(family)
     gen = generate.Generator.from_source(FIXTURES / family)
