@@ -191,28 +191,35 @@ class Block(nnx.Module):
         self.kv_a_norm = param(rngs, norm_init, (c,), (None,))
         self.wkv_b_che = param(rngs, normal(c ** -0.5), (c, h, n + a.v_head_dim), (None, "heads", None))
 
-    def mla_qkv(self, h_btd, positions_bt=None):
-        """MLA's queries, keys and values (keys: the per-head part from the latent and the shared
-        rotary part; query/key and values zero-padded to the one head size E)."""
+    def mla_query(self, h_btd, positions_bt=None):
+        """MLA's queries (B, T, H, E): the per-head channels, then the rotated ones, zero-padded to E."""
         a = self.mla
-        n, p, v = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        n, p = a.qk_nope_head_dim, a.qk_rope_head_dim
         if hasattr(self, "wq_a_dr"):
             q_bthe = self.mm(self.norm(self.mm(h_btd, "wq_a_dr"), "q_a_norm"), "wq_b_rhe")
         else:
             q_bthe = self.mm(h_btd, "wq_dhe")
-        ckv_btc = self.mm(h_btd, "wkv_a_dc")
-        c_btc, k_rope_btp = ckv_btc[..., :-p], ckv_btc[..., -p:]
-        kv_bthe = self.mm(self.norm(c_btc, "kv_a_norm"), "wkv_b_che")  # (B, T, H, N + A)
         q_rope = rotary(q_bthe[..., n:], self.theta, positions_bt, self.rope_scaling)
-        k_rope_bt1p = rotary(k_rope_btp[:, :, None, :], self.theta, positions_bt, self.rope_scaling)
-        h = q_bthe.shape[2]
-        k_bthe = jnp.concatenate([kv_bthe[..., :n], jnp.broadcast_to(k_rope_bt1p, (*k_rope_bt1p.shape[:2], h, p))], -1)
         q_bthe = jnp.concatenate([q_bthe[..., :n], q_rope], -1)
-        v_bthe = kv_bthe[..., n:]
-        e = max(n + p, v)
+        return jnp.pad(q_bthe, [(0, 0)] * 3 + [(0, max(n + p, a.v_head_dim) - n - p)])
+
+    def mla_latent(self, h_btd, positions_bt=None):
+        """What MLA caches per token: the normed latent (B, T, C) and the rotated shared key part (B, T, P)."""
+        p = self.mla.qk_rope_head_dim
+        ckv_btc = self.mm(h_btd, "wkv_a_dc")
+        k_rope_bt1p = rotary(ckv_btc[:, :, None, -p:], self.theta, positions_bt, self.rope_scaling)
+        return self.norm(ckv_btc[..., :-p], "kv_a_norm"), k_rope_bt1p[:, :, 0]
+
+    def mla_keys_values(self, c_bsc, k_rope_bsp):
+        """Keys and values (B, S, H, E), zero-padded to E, from latents and rotated key parts."""
+        a = self.mla
+        n, p, v = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        kv_bshx = self.mm(c_bsc, "wkv_b_che")  # (B, S, H, N + A)
+        h, e = kv_bshx.shape[2], max(n + p, v)
+        k_rope_bshp = jnp.broadcast_to(k_rope_bsp[:, :, None, :], (*k_rope_bsp.shape[:2], h, p)).astype(kv_bshx.dtype)
+        k_bshe = jnp.concatenate([kv_bshx[..., :n], k_rope_bshp], -1)
         pad = [(0, 0)] * 3
-        q_bthe, k_bthe = (jnp.pad(x, [*pad, (0, e - n - p)]) for x in (q_bthe, k_bthe))
-        return q_bthe, k_bthe, jnp.pad(v_bthe, [*pad, (0, e - v)])
+        return jnp.pad(k_bshe, [*pad, (0, e - n - p)]), jnp.pad(kv_bshx[..., n:], [*pad, (0, e - v)])
 
     def _dense_mlp(self, cfg, rngs):
         d, f = cfg.d_model, cfg.d_ff
@@ -248,8 +255,8 @@ class Block(nnx.Module):
         c = self.constrain
         h_btd = self.norm(x_btd, "attn_norm")
         if self.mla is not None:
-            q_bthe, k_btke, v_btke = self.mla_qkv(h_btd, positions_bt)
-            return c(q_bthe, BTHE), c(k_btke, BTKE), c(v_btke, BTKE)
+            k_btke, v_btke = self.mla_keys_values(*self.mla_latent(h_btd, positions_bt))
+            return c(self.mla_query(h_btd, positions_bt), BTHE), c(k_btke, BTKE), c(v_btke, BTKE)
         q_bthe, k_btke, v_btke = (self.mm(h_btd, w) for w in ("wq_dhe", "wk_dke", "wv_dke"))
         if hasattr(self, "bq_he"):
             q_bthe, k_btke, v_btke = q_bthe + self.bq_he[...], k_btke + self.bk_ke[...], v_btke + self.bv_ke[...]
@@ -292,17 +299,24 @@ class Block(nnx.Module):
         """The block (a layer of `kind`) for T new tokens written at cache slots slot..slot+T-1
         (positions_bt their rotary positions); each attends to the cached slots first_b..its own
         (slots before first_b are a row's left padding), the last `sliding_window` of them with a
-        window. Returns (x_btd, k_bske, v_bske) with the cache updated."""
+        window. Returns (x_btd, k_bske, v_bske) with the cache updated. With latent attention the
+        cache holds the latents instead (k: (B, S, C), v: the rotated key parts (B, S, P); see
+        Gpt.cache_layout), expanded to keys and values each step."""
         window = self.window_of(kind)
-        q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt, kind)
+        if self.mla is not None:
+            h_btd = self.norm(x_btd, "attn_norm")
+            q_bthe, (k_btke, v_btke) = self.mla_query(h_btd, positions_bt), self.mla_latent(h_btd, positions_bt)
+        else:
+            q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt, kind)
         k_bske = jax.lax.dynamic_update_slice_in_dim(k_bske, k_btke.astype(k_bske.dtype), slot, axis=1)
         v_bske = jax.lax.dynamic_update_slice_in_dim(v_bske, v_btke.astype(v_bske.dtype), slot, axis=1)
         t, s = x_btd.shape[1], k_bske.shape[1]
+        keys, values = self.mla_keys_values(k_bske, v_bske) if self.mla is not None else (k_bske, v_bske)
         key_s, query_t = jnp.arange(s), slot + jnp.arange(t)
         mask_bts = (key_s[None, None, :] <= query_t[None, :, None]) & (key_s[None, None, :] >= first_b[:, None, None])
         if window is not None:
             mask_bts &= key_s[None, None, :] > query_t[None, :, None] - window
-        x_btd = self.finish(x_btd, cached_attention(q_bthe, k_bske, v_bske, mask_bts, self.scale, self.softcap))
+        x_btd = self.finish(x_btd, cached_attention(q_bthe, keys, values, mask_bts, self.scale, self.softcap))
         return (x_btd[0] if isinstance(x_btd, tuple) else x_btd), k_bske, v_bske
 
 
@@ -347,8 +361,21 @@ class Gpt(nnx.Module):
         out = scan_blocks(self.blocks, self.embed(tokens_bt), segment_ids=segment_ids_bt, positions=positions_bt)
         return (self.head(out[0]), out[1]) if isinstance(out, tuple) else self.head(out)
 
+    @staticmethod
+    def cache_layout(cfg, b: int, s: int) -> dict:
+        """The KV cache generation keeps for `b` rows of `s` slots: {"k", "v": (shape, logical names)},
+        (L, B, S, K, E) each; with latent attention (L, B, S, kv_lora_rank) latents and (L, B, S,
+        qk_rope_head_dim) rotated key parts, the keys and values expanded from them each step."""
+        if cfg.mla is not None:
+            names = ("layers", "batch", None, None)
+            return {"k": ((cfg.n_layers, b, s, cfg.mla.kv_lora_rank), names),
+                    "v": ((cfg.n_layers, b, s, cfg.mla.qk_rope_head_dim), names)}
+        shape = (cfg.n_layers, b, s, cfg.n_kv_heads, cfg.head_size)
+        return {k: (shape, ("layers", "batch", None, "kv_heads", None)) for k in "kv"}
+
     def decode(self, tokens_bt, cache, slot, positions_bt, first_b):
-        """Logits of T new tokens given a KV cache {"k", "v": (L, B, S, K, E)} (see Block.decode);
+        """Logits of T new tokens given a KV cache {"k", "v": (L, B, S, K, E)} (see Block.decode;
+        `cache_layout` with latent attention);
         returns (logits_btv, updated cache). Prefill is T = prompt length, then T = 1 per step."""
         stages = self.blocks.stages() if isinstance(self.blocks, Stages) else [self.blocks]
         x_btd, ks, vs, first = self.embed(tokens_bt), [], [], 0

@@ -49,6 +49,14 @@ def test_greedy_generation_equals_transformers(family):
         assert out[1] == gen.generate([short], 20, stop_at_eos=False)[0]
 
 
+def test_deepseek_v3_generation_caches_the_latent_not_keys_and_values():
+    """Per layer and token the cache holds kv_lora_rank + qk_rope_head_dim = 16 + 8 numbers (the greedy
+    tokens above come through it), not 2 x heads x head size = 128."""
+    gen = generate.Generator.from_source(FIXTURES / "deepseek_v3")
+    layout = type(gen.model).cache_layout(gen.cfg.model, 2, 10)
+    assert {k: shape for k, (shape, _) in layout.items()} == {"k": (3, 2, 10, 16), "v": (3, 2, 10, 8)}
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 @pytest.mark.parametrize("impl, mesh", [("chunked", []), ("splash", []), ("xla", ["mesh.data=2", "mesh.context=4"]),
                                         ("chunked", ["mesh.data=2", "mesh.context=4"])],
