@@ -415,5 +415,6 @@ class Gpt(nnx.Module):
         embedding table) plus attention's scores and values, 12 L T H E. For a mixture of experts
         N counts the active parameters: each token's experts_per_token experts, not all of them."""
         head_dims = cfg.n_heads * cfg.head_size
-        inactive = cfg.n_layers * moe.inactive_params(cfg) if cfg.moe.n_experts > 1 else 0
+        moe_layers = cfg.n_layers - cfg.moe.first_dense_layers  # DeepSeek: the first layers are dense
+        inactive = moe_layers * moe.inactive_params(cfg) if cfg.moe.n_experts > 1 else 0
         return 6 * (matmul_params(cfg, n_params) - inactive) + 12 * cfg.n_layers * seq_len * head_dims
