@@ -29,6 +29,10 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
                     ("use_bidirectional_attention", False)]:
         if (hf.get(key) or ok) != ok:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r})")
+    if hf.get("quantization_config"):  # DeepSeek-V3's own checkpoint: fp8 blocks with scales beside them
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        raise ConfigError(f"{where}: quantization_config (quant_method {method!r}) is not supported; "
+                          "dequantize the weights to bfloat16 first")
     if hf.get("attention_bias") and not family.qkv_bias:
         raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
     d, h = hf["hidden_size"], hf["num_attention_heads"]

@@ -191,7 +191,8 @@ def test_deepseek_v3_config_file_maps_to_our_fields_and_back():
     for bad, message in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "rope type 'yarn' is not supported"),
                          ({"rope_interleave": False}, "rope_interleave=false is not supported"),
                          ({"num_key_value_heads": 8}, "num_key_value_heads=8 is not supported"),
-                         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported")]:
+                         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+                         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config .* not supported")]:
         with pytest.raises(ConfigError, match=message):
             model_config({**DEEPSEEK_V3, **bad})
     qwen3_moe = model_config(read_config(FIXTURES / "qwen3_moe"))  # sigmoid routing: DeepSeek's alone
