@@ -186,10 +186,11 @@ class Block(nnx.Module):
             r = a.q_lora_rank
             self.wq_a_dr = param(rngs, normal(d ** -0.5), (d, r), ("embed", None))
             self.q_a_norm = param(rngs, norm_init, (r,), (None,))
-            self.wq_b_rhe = param(rngs, normal(r ** -0.5), (r, h, n + p), (None, "heads", None))
+            self.wq_b_rhe = param(rngs, normal(r ** -0.5), (r, h, n + p), ("embed", "heads", None))
         self.wkv_a_dc = param(rngs, normal(d ** -0.5), (d, c + p), ("embed", None))
+        # the ranks R and C are the up-projections' inputs: named `embed`, FSDP-sharded as d_model is
         self.kv_a_norm = param(rngs, norm_init, (c,), (None,))
-        self.wkv_b_che = param(rngs, normal(c ** -0.5), (c, h, n + a.v_head_dim), (None, "heads", None))
+        self.wkv_b_che = param(rngs, normal(c ** -0.5), (c, h, n + a.v_head_dim), ("embed", "heads", None))
 
     def mla_query(self, h_btd, positions_bt=None):
         """MLA's queries (B, T, H, E): the per-head channels, then the rotated ones, zero-padded to E."""
