@@ -34,7 +34,7 @@ def test_logits_equal_transformers_on_2x2x2_mesh_and_one_device(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "olmo2", "gemma2", "gemma3",
-                                    "deepseek_v3"])
+                                    "deepseek_v3", "deepseek_v3_full_q"])
 def test_greedy_generation_equals_transformers(family):
     ref, _ = reference(family)
     gen = generate.Generator.from_source(FIXTURES / family)

@@ -22,7 +22,8 @@ def test_tensor_map_names_every_stored_tensor_and_its_layouts_invert(family):
         ours = entry.to_ours(a)
         assert np.array_equal(entry.to_hf(ours), a), entry.hf
         if entry.ours[-1] in ("wq_dhe", "wk_dke"):  # HF rows n*E + e (a head's E rows together) -> ours [:, n, e]
-            assert np.array_equal(ours[:, 1, 2], a[e + 2])
+            eq = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if m.mla else e
+            assert np.array_equal(ours[:, 1, 2], a[eq + 2])
         if entry.ours[-1] == "wo_hed":  # HF columns n*E + e -> ours [n, e, :] (E: the value head size)
             ev = m.mla.v_head_dim if m.mla else e
             assert np.array_equal(ours[1, 2], a[:, ev + 2])
