@@ -176,7 +176,8 @@ class MoeConfig:
     router: Literal["softmax", "sigmoid"] = "softmax"
     """`softmax` (Mixtral, Qwen-MoE); `sigmoid` (DeepSeek-V3): each expert scored sigmoid(logit),
     chosen by score + a per-expert load-balancing bias (state, never a gradient: it moves by
-    bias_update_rate x sign(mean load - load) each step), weighted by its score."""
+    bias_update_rate x sign(mean load - load) each step), weighted by its score; no auxiliary
+    losses (router_aux_loss_coef and router_z_loss_coef are not used)."""
     n_groups: int = 1
     """sigmoid: experts split into n_groups groups; each token picks among the experts of its
     topk_groups best groups (by the sum of each group's two best biased scores), DeepSeek-V3's n_group."""
