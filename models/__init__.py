@@ -25,7 +25,7 @@ from models import quant
 
 MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp",
           **{family: "models.gpt:Gpt" for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                                                     "qwen3_moe", "olmo2", "gemma2", "gemma3")}}
+                                                     "qwen3_moe", "olmo2", "gemma2", "gemma3", "deepseek_v3")}}
 """model.name -> class. The Hugging Face families are names of the one decoder `gpt` (import-hf writes the
 family it read, so the run says what it trains); their differences are config fields."""
 
@@ -98,6 +98,19 @@ def scan_layers(body, x, xs, kinds=(), unroll: int = 1):
     return x, jax.tree.map(lambda *a: jnp.concatenate(a), *ys) if len(ys) > 1 else ys[0]
 
 
+class Stages(nnx.Module):
+    """Stacks of blocks of different kinds run one after the other, each its own rolled scan
+    (DeepSeek's first dense layers, then the MoE ones): `stages` in order."""
+
+    def __init__(self, **stacks):
+        self.names = tuple(stacks)
+        for name, stack in stacks.items():
+            setattr(self, name, stack)
+
+    def stages(self):
+        return [getattr(self, name) for name in self.names]
+
+
 def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=None, unroll: int = 1):
     """Runs stacked blocks in order with a rolled lax.scan (`unroll` iterations per loop trip), so
     the program does not grow with depth; `wrap` decorates the per-layer body (remat). Blocks with a
@@ -105,7 +118,18 @@ def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=N
     scanned a group of layers at a time (`scan_layers`).
 
     A block returns `x` or `(x, aux)`, `aux` a dict of scalar auxiliary losses (an MoE router's);
-    then this returns `(x, aux)` with each loss summed over the layers, for the trainer to add."""
+    then this returns `(x, aux)` with each loss summed over the layers, for the trainer to add.
+    An aux entry that is not a scalar is a statistic for the model's `update_state` (an MoE router's
+    load per expert), kept per layer: (L, ...)
+    `Stages` run stage after stage."""
+    if isinstance(blocks, Stages):
+        aux = {}
+        for stage in blocks.stages():
+            out = scan_blocks(stage, x, wrap, segment_ids, positions, unroll)
+            x, more = out if isinstance(out, tuple) else (out, {})
+            aux = {k: jnp.concatenate([aux[k], more[k]]) if k in aux and k in more and jnp.ndim(more[k])
+                   else aux.get(k, 0) + more.get(k, 0) for k in {*aux, *more}}
+        return (x, aux) if aux else x
     graphdef, state = nnx.split(blocks)
     kinds = tuple(getattr(blocks, "kinds", ()))
 
@@ -118,7 +142,7 @@ def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=N
         return run
     runs = {kind: layer(kind) for kind in set(kinds) or {None}}
     x, aux = scan_layers(lambda x, layer_state, kind: runs[kind](x, layer_state), x, state, kinds, unroll)
-    return (x, jax.tree.map(lambda a: a.sum(0), aux)) if aux else x
+    return (x, {k: a.sum(0) if a.ndim == 1 else a for k, a in aux.items()}) if aux else x
 
 
 # The two helpers below are the models' own arithmetic written in a form that suits the compilers,

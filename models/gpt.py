@@ -18,6 +18,7 @@ them to the mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -33,6 +34,7 @@ from models import (
     BTV,
     LORA_A,
     LORA_B,
+    Stages,
     attention,
     dense,
     embed_lookup,
@@ -138,9 +140,14 @@ class Block(nnx.Module):
             self.attn_norm = param(rngs, norm_init, (d,), (None,))
         if post:
             self.attn_post_norm = param(rngs, norm_init, (d,), (None,))
-        self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
-        self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wk_dke"])
-        self.wv_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wv_dke"])
+        self.mla = cfg.mla
+        if cfg.mla is not None:
+            self._mla(cfg, rngs, norm_init)
+            self.scale = (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) ** -0.5
+        else:
+            self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
+            self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wk_dke"])
+            self.wv_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wv_dke"])
         if cfg.qkv_bias:
             self.bq_he = param(rngs, zeros, (h, e), ("heads", None))
             self.bk_ke = param(rngs, zeros, (k, e), ("kv_heads", None))
@@ -151,7 +158,8 @@ class Block(nnx.Module):
         elif cfg.qk_norm:  # over the whole projection: one weight per head and channel
             self.q_norm_he = param(rngs, norm_init, (h, e), ("heads", None))
             self.k_norm_ke = param(rngs, norm_init, (k, e), ("kv_heads", None))
-        self.wo_hed = param(rngs, normal((h * e) ** -0.5 / 2), (h, e, d), LOGICAL["wo_hed"])
+        ev = e if cfg.mla is None else cfg.mla.v_head_dim
+        self.wo_hed = param(rngs, normal((h * ev) ** -0.5 / 2), (h, ev, d), LOGICAL["wo_hed"])
         if pre:  # the MLP's, likewise
             self.mlp_norm = param(rngs, norm_init, (d,), (None,))
         if post:
@@ -166,6 +174,53 @@ class Block(nnx.Module):
             setattr(self, name + LORA_A, param(rngs, normal(math.prod(w.shape[:n_in]) ** -0.5),
                                               (*w.shape[:n_in], r), (*names[:n_in], None)))
             setattr(self, name + LORA_B, param(rngs, zeros, (r, *w.shape[n_in:]), (None, *names[n_in:])))
+
+    def _mla(self, cfg, rngs, norm_init):
+        """Multi-head latent attention's weights: C kv_lora_rank, R q_lora_rank, N / P the per-head
+        query/key channels without / with rotary, A the value channels."""
+        a, d, h = cfg.mla, cfg.d_model, cfg.n_heads
+        n, p, c = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
+        if a.q_lora_rank is None:
+            self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, n + p), LOGICAL["wq_dhe"])
+        else:
+            r = a.q_lora_rank
+            self.wq_a_dr = param(rngs, normal(d ** -0.5), (d, r), ("embed", None))
+            self.q_a_norm = param(rngs, norm_init, (r,), (None,))
+            self.wq_b_rhe = param(rngs, normal(r ** -0.5), (r, h, n + p), ("embed", "heads", None))
+        self.wkv_a_dc = param(rngs, normal(d ** -0.5), (d, c + p), ("embed", None))
+        # the ranks R and C are the up-projections' inputs: named `embed`, FSDP-sharded as d_model is
+        self.kv_a_norm = param(rngs, norm_init, (c,), (None,))
+        self.wkv_b_che = param(rngs, normal(c ** -0.5), (c, h, n + a.v_head_dim), ("embed", "heads", None))
+
+    def mla_query(self, h_btd, positions_bt=None):
+        """MLA's queries (B, T, H, E): the per-head channels, then the rotated ones, zero-padded to E."""
+        a = self.mla
+        n, p = a.qk_nope_head_dim, a.qk_rope_head_dim
+        if hasattr(self, "wq_a_dr"):
+            q_bthe = self.mm(self.norm(self.mm(h_btd, "wq_a_dr"), "q_a_norm"), "wq_b_rhe")
+        else:
+            q_bthe = self.mm(h_btd, "wq_dhe")
+        q_rope = rotary(q_bthe[..., n:], self.theta, positions_bt, self.rope_scaling)
+        q_bthe = jnp.concatenate([q_bthe[..., :n], q_rope], -1)
+        return jnp.pad(q_bthe, [(0, 0)] * 3 + [(0, max(n + p, a.v_head_dim) - n - p)])
+
+    def mla_latent(self, h_btd, positions_bt=None):
+        """What MLA caches per token: the normed latent (B, T, C) and the rotated shared key part (B, T, P)."""
+        p = self.mla.qk_rope_head_dim
+        ckv_btc = self.mm(h_btd, "wkv_a_dc")
+        k_rope_bt1p = rotary(ckv_btc[:, :, None, -p:], self.theta, positions_bt, self.rope_scaling)
+        return self.norm(ckv_btc[..., :-p], "kv_a_norm"), k_rope_bt1p[:, :, 0]
+
+    def mla_keys_values(self, c_bsc, k_rope_bsp):
+        """Keys and values (B, S, H, E), zero-padded to E, from latents and rotated key parts."""
+        a = self.mla
+        n, p, v = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        kv_bshx = self.mm(c_bsc, "wkv_b_che")  # (B, S, H, N + A)
+        h, e = kv_bshx.shape[2], max(n + p, v)
+        k_rope_bshp = jnp.broadcast_to(k_rope_bsp[:, :, None, :], (*k_rope_bsp.shape[:2], h, p)).astype(kv_bshx.dtype)
+        k_bshe = jnp.concatenate([kv_bshx[..., :n], k_rope_bshp], -1)
+        pad = [(0, 0)] * 3
+        return jnp.pad(k_bshe, [*pad, (0, e - n - p)]), jnp.pad(kv_bshx[..., n:], [*pad, (0, e - v)])
 
     def _dense_mlp(self, cfg, rngs):
         d, f = cfg.d_model, cfg.d_ff
@@ -200,6 +255,9 @@ class Block(nnx.Module):
         """Queries, keys (both rotated, as a layer of `kind` rotates) and values of the (normed) input."""
         c = self.constrain
         h_btd = self.norm(x_btd, "attn_norm")
+        if self.mla is not None:
+            k_btke, v_btke = self.mla_keys_values(*self.mla_latent(h_btd, positions_bt))
+            return c(self.mla_query(h_btd, positions_bt), BTHE), c(k_btke, BTKE), c(v_btke, BTKE)
         q_bthe, k_btke, v_btke = (self.mm(h_btd, w) for w in ("wq_dhe", "wk_dke", "wv_dke"))
         if hasattr(self, "bq_he"):
             q_bthe, k_btke, v_btke = q_bthe + self.bq_he[...], k_btke + self.bk_ke[...], v_btke + self.bv_ke[...]
@@ -216,6 +274,8 @@ class Block(nnx.Module):
         """Output projection, residual, then the gated MLP (or mixture of experts) and its residual,
         each sublayer normed where norm_position says; an MoE block returns (x_btd, aux losses)."""
         c = self.constrain
+        if self.mla is not None:  # the value channels, without the padding
+            o_bthe = o_bthe[..., :self.mla.v_head_dim]
         x_btd = c(x_btd + self.norm(self.mm(o_bthe, "wo_hed", n_in=2), "attn_post_norm"), BTD)
         h_btd = self.norm(x_btd, "mlp_norm")
         if hasattr(self, "moe"):
@@ -240,17 +300,24 @@ class Block(nnx.Module):
         """The block (a layer of `kind`) for T new tokens written at cache slots slot..slot+T-1
         (positions_bt their rotary positions); each attends to the cached slots first_b..its own
         (slots before first_b are a row's left padding), the last `sliding_window` of them with a
-        window. Returns (x_btd, k_bske, v_bske) with the cache updated."""
+        window. Returns (x_btd, k_bske, v_bske) with the cache updated. With latent attention the
+        cache holds the latents instead (k: (B, S, C), v: the rotated key parts (B, S, P); see
+        Gpt.cache_layout), expanded to keys and values each step."""
         window = self.window_of(kind)
-        q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt, kind)
+        if self.mla is not None:
+            h_btd = self.norm(x_btd, "attn_norm")
+            q_bthe, (k_btke, v_btke) = self.mla_query(h_btd, positions_bt), self.mla_latent(h_btd, positions_bt)
+        else:
+            q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt, kind)
         k_bske = jax.lax.dynamic_update_slice_in_dim(k_bske, k_btke.astype(k_bske.dtype), slot, axis=1)
         v_bske = jax.lax.dynamic_update_slice_in_dim(v_bske, v_btke.astype(v_bske.dtype), slot, axis=1)
         t, s = x_btd.shape[1], k_bske.shape[1]
+        keys, values = self.mla_keys_values(k_bske, v_bske) if self.mla is not None else (k_bske, v_bske)
         key_s, query_t = jnp.arange(s), slot + jnp.arange(t)
         mask_bts = (key_s[None, None, :] <= query_t[None, :, None]) & (key_s[None, None, :] >= first_b[:, None, None])
         if window is not None:
             mask_bts &= key_s[None, None, :] > query_t[None, :, None] - window
-        x_btd = self.finish(x_btd, cached_attention(q_bthe, k_bske, v_bske, mask_bts, self.scale, self.softcap))
+        x_btd = self.finish(x_btd, cached_attention(q_bthe, keys, values, mask_bts, self.scale, self.softcap))
         return (x_btd[0] if isinstance(x_btd, tuple) else x_btd), k_bske, v_bske
 
 
@@ -263,8 +330,15 @@ class Gpt(nnx.Module):
         self.embed_scale = cfg.d_model ** 0.5 if cfg.scale_embeddings else None
         self.kinds = tuple(cfg.layer_pattern)
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        self.blocks = stacked(lambda r: Block(cfg, rngs=r, constrain=constrain, quantization=quantization),
-                              cfg.n_layers, rngs)
+        def stack(c, n):
+            return stacked(lambda r: Block(c, rngs=r, constrain=constrain, quantization=quantization), n, rngs)
+        k = cfg.moe.first_dense_layers if cfg.moe.n_experts > 1 else 0
+        if k:  # DeepSeek: k dense layers, then the MoE ones, two rolled scans
+            dense_cfg = dataclasses.replace(cfg, d_ff=cfg.moe.dense_d_ff or cfg.d_ff,
+                                            moe=dataclasses.replace(cfg.moe, n_experts=0))
+            self.blocks = Stages(dense=stack(dense_cfg, k), sparse=stack(cfg, cfg.n_layers - k))
+        else:
+            self.blocks = stack(cfg, cfg.n_layers)
         self.final_norm = param(rngs, zeros if self.plus_one else ones, (cfg.d_model,), (None,))
         if not cfg.tie_embeddings:
             self.unembed_dv = param(rngs, normal(cfg.d_model ** -0.5), (cfg.d_model, cfg.vocab_size),
@@ -288,19 +362,53 @@ class Gpt(nnx.Module):
         out = scan_blocks(self.blocks, self.embed(tokens_bt), segment_ids=segment_ids_bt, positions=positions_bt)
         return (self.head(out[0]), out[1]) if isinstance(out, tuple) else self.head(out)
 
-    def decode(self, tokens_bt, cache, slot, positions_bt, first_b):
-        """Logits of T new tokens given a KV cache {"k", "v": (L, B, S, K, E)} (see Block.decode);
-        returns (logits_btv, updated cache). Prefill is T = prompt length, then T = 1 per step."""
-        graphdef, state = nnx.split(self.blocks)
+    @staticmethod
+    def cache_layout(cfg, b: int, s: int) -> dict:
+        """The KV cache generation keeps for `b` rows of `s` slots: {"k", "v": (shape, logical names)},
+        (L, B, S, K, E) each; with latent attention (L, B, S, kv_lora_rank) latents and (L, B, S,
+        qk_rope_head_dim) rotated key parts, the keys and values expanded from them each step."""
+        if cfg.mla is not None:
+            names = ("layers", "batch", None, None)
+            return {"k": ((cfg.n_layers, b, s, cfg.mla.kv_lora_rank), names),
+                    "v": ((cfg.n_layers, b, s, cfg.mla.qk_rope_head_dim), names)}
+        shape = (cfg.n_layers, b, s, cfg.n_kv_heads, cfg.head_size)
+        return {k: (shape, ("layers", "batch", None, "kv_heads", None)) for k in "kv"}
 
-        def body(x_btd, layer, kind):
-            layer_state, k_bske, v_bske = layer
-            x_btd, k_bske, v_bske = nnx.merge(graphdef, layer_state).decode(
-                x_btd, k_bske, v_bske, slot, positions_bt, first_b, kind)
-            return x_btd, (k_bske, v_bske)
-        x_btd, (k_lbske, v_lbske) = scan_layers(body, self.embed(tokens_bt), (state, cache["k"], cache["v"]),
-                                                self.kinds)
-        return self.head(x_btd), {"k": k_lbske, "v": v_lbske}
+    def decode(self, tokens_bt, cache, slot, positions_bt, first_b):
+        """Logits of T new tokens given a KV cache {"k", "v": (L, B, S, K, E)} (see Block.decode;
+        `cache_layout` with latent attention);
+        returns (logits_btv, updated cache). Prefill is T = prompt length, then T = 1 per step."""
+        stages = self.blocks.stages() if isinstance(self.blocks, Stages) else [self.blocks]
+        x_btd, ks, vs, first = self.embed(tokens_bt), [], [], 0
+        for stage in stages:  # each stage's layers are the next ones of the cache
+            graphdef, state = nnx.split(stage)
+            n = jax.tree.leaves(state)[0].shape[0]
+
+            def body(x_btd, layer, kind, graphdef=graphdef):
+                layer_state, k_bske, v_bske = layer
+                x_btd, k_bske, v_bske = nnx.merge(graphdef, layer_state).decode(
+                    x_btd, k_bske, v_bske, slot, positions_bt, first_b, kind)
+                return x_btd, (k_bske, v_bske)
+            x_btd, (k_lbske, v_lbske) = scan_layers(
+                body, x_btd, (state, cache["k"][first:first + n], cache["v"][first:first + n]), self.kinds)
+            ks, vs, first = ks + [k_lbske], vs + [v_lbske], first + n
+        cat = (lambda a: a[0]) if len(ks) == 1 else jnp.concatenate
+        return self.head(x_btd), {"k": cat(ks), "v": cat(vs)}
+
+    @staticmethod
+    def update_state(cfg, params, stats: dict):
+        """params after a train step's state updates from the statistics the blocks report (aux
+        entries that are not losses): a sigmoid router's balancing bias moves by its layer's load
+        (models/moe.py `balance_bias`)."""
+        load_le = stats.get("router_load")
+        if load_le is None:
+            return params
+
+        def update(path, p):
+            if getattr(path[-1], "key", None) != "router_bias_e":
+                return p
+            return moe.balance_bias(p, load_le.reshape(p.shape), cfg.moe.bias_update_rate).astype(p.dtype)
+        return jax.tree_util.tree_map_with_path(update, params)
 
     @staticmethod
     def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
@@ -308,5 +416,6 @@ class Gpt(nnx.Module):
         embedding table) plus attention's scores and values, 12 L T H E. For a mixture of experts
         N counts the active parameters: each token's experts_per_token experts, not all of them."""
         head_dims = cfg.n_heads * cfg.head_size
-        inactive = cfg.n_layers * moe.inactive_params(cfg) if cfg.moe.n_experts > 1 else 0
+        moe_layers = cfg.n_layers - cfg.moe.first_dense_layers  # DeepSeek: the first layers are dense
+        inactive = moe_layers * moe.inactive_params(cfg) if cfg.moe.n_experts > 1 else 0
         return 6 * (matmul_params(cfg, n_params) - inactive) + 12 * cfg.n_layers * seq_len * head_dims

@@ -94,6 +94,45 @@ def route(logits_bte, k: int, constrain, normalise: bool = True):
     return top_i, top_p / top_p.sum(-1, keepdims=True) if normalise else top_p, probs
 
 
+def route_sigmoid(logits_bte, bias_e, cfg, constrain):
+    """DeepSeek-V3's routing: (top-k expert ids, their weights, the scores). Each expert scores
+    sigmoid(logit); the choice ranks score + bias_e (the load-balancing bias, out of the gradient)
+    among the experts of the token's topk_groups best groups (a group's rank: the sum of its two
+    best biased scores); the weights are the chosen raw scores, renormalised over the k when
+    norm_topk_prob, times routed_scaling_factor. Per shard, as `route`."""
+    m = cfg.moe
+    scores = jax.nn.sigmoid(logits_bte.astype(jnp.float32))
+    bias_e = jax.lax.stop_gradient(bias_e.astype(jnp.float32))
+
+    def choose(shard, scores):
+        choice = scores + bias_e
+        *lead, e = choice.shape
+        groups = choice.reshape(*lead, m.n_groups, e // m.n_groups)
+        group_score = jax.lax.top_k(groups, min(2, e // m.n_groups))[0].sum(-1)  # (..., G)
+        kept = jax.lax.top_k(group_score, m.topk_groups)[1]
+        keep_g = jax.nn.one_hot(kept, m.n_groups, dtype=jnp.bool_).any(-2)
+        keep_e = jnp.repeat(keep_g, e // m.n_groups, axis=-1)
+        top_i = jax.lax.top_k(jnp.where(keep_e, choice, -jnp.inf), m.experts_per_token)[1]
+        return (top_i,)
+    bte = ("batch", "seq", None)
+    (top_i,) = constrain.shard_map(choose, (bte,), (bte,))(scores)
+    weight = jnp.take_along_axis(scores, top_i, axis=-1)
+    if m.norm_topk_prob:
+        weight = weight / (weight.sum(-1, keepdims=True) + 1e-20)
+    return top_i, weight * m.routed_scaling_factor, scores
+
+
+def expert_load(top_i_btk, n_experts: int):
+    """The fraction of the batch's assignments each expert got (E,), out of the gradient."""
+    return jax.nn.one_hot(top_i_btk, n_experts, dtype=jnp.float32).sum(-2).mean((0, 1)) / top_i_btk.shape[-1]
+
+
+def balance_bias(bias_le, load_le, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free balancing step: each expert's bias moves by `rate` towards
+    balance, up where its load is under the mean, down where over (per layer: the last axis)."""
+    return bias_le + rate * jnp.sign(load_le.mean(-1, keepdims=True) - load_le)
+
+
 def aux_losses(logits_bte, probs_bte, top_i_btk, cfg) -> dict:
     e = logits_bte.shape[-1]
     f_e = jax.nn.one_hot(top_i_btk, e, dtype=jnp.float32).sum(-2).mean((0, 1))
@@ -175,6 +214,8 @@ class Moe(nnx.Module):
         d, f, e = cfg.d_model, cfg.d_ff, cfg.moe.n_experts
         self.cfg, self.constrain, self.quantization = cfg, constrain, quantization
         self.router_de = param(rngs, normal(d ** -0.5), (d, e), ("embed", None))
+        if cfg.moe.router == "sigmoid":  # load-balancing state: no gradient, no optimizer update
+            self.router_bias_e = param(rngs, nnx.initializers.zeros, (e,), (None,))
         self.w_gate_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_up_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_down_efd = param(rngs, normal(f ** -0.5 / 2), (e, f, d), W_OUT)
@@ -190,8 +231,13 @@ class Moe(nnx.Module):
         c, cfg = self.constrain, self.cfg
         flat = c.size("seq") == 1
         logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32), flat=flat)
-        top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.moe.experts_per_token, c, cfg.moe.norm_topk_prob)
-        aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
+        if cfg.moe.router == "sigmoid":
+            top_i_btk, weight_btk, probs_bte = route_sigmoid(logits_bte, self.router_bias_e[...], cfg, c)
+            aux = {"router_load": jax.lax.stop_gradient(expert_load(top_i_btk, cfg.moe.n_experts))}
+        else:
+            top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.moe.experts_per_token, c,
+                                                     cfg.moe.norm_topk_prob)
+            aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
         local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg, quantization=self.quantization),
                             (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))

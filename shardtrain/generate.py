@@ -120,20 +120,18 @@ class Generator:
             raise config_lib.ConfigError("generate: every prompt needs at least one token")
         m = self.cfg.model
         b, p = len(prompts), max(len(x) for x in prompts)
-        e = m.head_size
         first_b = np.array([p - len(x) for x in prompts], np.int32)
         tokens_bp = np.zeros((b, p), np.int32)
         for row, x in enumerate(prompts):
             tokens_bp[row, first_b[row]:] = x
         positions_bp = np.maximum(np.arange(p)[None, :] - first_b[:, None], 0).astype(np.int32)
-        cache_shape = (m.n_layers, b, p + max_new_tokens, m.n_kv_heads, e)
-        names = ("layers", "batch", None, "kv_heads", None)
-        spec = sharding.spec_for(names, self.cfg.rules, self.mesh, shape=cache_shape, what=f"KV cache {cache_shape}")
-        cache_sharding = NamedSharding(self.mesh, spec)
+        layout = type(self.model).cache_layout(m, b, p + max_new_tokens)
+        cache_specs = tuple((k, shape, NamedSharding(self.mesh, sharding.spec_for(
+            names, self.cfg.rules, self.mesh, shape=shape, what=f"KV cache {shape}")))
+            for k, (shape, names) in layout.items())
         dtype = jnp.dtype(self.cfg.train.compute_dtype)
         graphdef, params = nnx.split(self.model)
-        static = dict(graphdef=graphdef, cache_shape=cache_shape, dtype=dtype, cache_sharding=cache_sharding,
-                      temperature=temperature, top_p=top_p)
+        static = dict(graphdef=graphdef, cache_specs=cache_specs, dtype=dtype, temperature=temperature, top_p=top_p)
         prefill = functools.partial(_prefill, **static)
         next_token = functools.partial(_next_token, graphdef=graphdef, temperature=temperature, top_p=top_p)
         keys = jax.random.split(jax.random.key(seed), max_new_tokens)
@@ -156,12 +154,11 @@ class Generator:
         return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_shape", "dtype", "cache_sharding", "temperature",
-                                             "top_p"))
-def _prefill(params, tokens_bp, positions_bp, first_b, key, *, graphdef, cache_shape, dtype, cache_sharding,
-             temperature, top_p):
-    """Runs the prompts through the model, filling a fresh cache; samples the first new token."""
-    cache = {k: jax.lax.with_sharding_constraint(jnp.zeros(cache_shape, dtype), cache_sharding) for k in "kv"}
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_specs", "dtype", "temperature", "top_p"))
+def _prefill(params, tokens_bp, positions_bp, first_b, key, *, graphdef, cache_specs, dtype, temperature, top_p):
+    """Runs the prompts through the model, filling a fresh cache ((name, shape, sharding) each of
+    `cache_specs`); samples the first new token."""
+    cache = {k: jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), where) for k, shape, where in cache_specs}
     logits_btv, cache = nnx.merge(graphdef, params).decode(tokens_bp, cache, 0, positions_bp, first_b)
     return sample(logits_btv[:, -1], key, temperature, top_p), cache
 

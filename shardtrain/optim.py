@@ -128,8 +128,10 @@ def make(cfg: RunConfig, names: dict) -> optax.GradientTransformation:
 
 
 def decayed(params) -> dict:
-    """The weight-decay mask: every parameter but the norm scales."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+    """The weight-decay mask: every parameter but the norm scales and the MoE router's balancing
+    bias (state the train step moves, models/moe.py `balance_bias`)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(s in jax.tree_util.keystr(path) for s in ("norm", "router_bias")), params)
 
 
 def clipped(cfg: RunConfig, names: dict) -> optax.GradientTransformation:

@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import models
 from models import attention
 from shardtrain import comm, optim, pipeline, sharding
 from shardtrain.blocks import scan_runner
@@ -241,7 +242,7 @@ def loss_fn(cfg: RunConfig, loss_sums: Callable) -> Callable:
         total, count, aux = loss_sums(params, batch)
         losses = {"loss": total / (jnp.maximum(count, 1.0) if denominator is None else denominator),
                   **{k: v / cfg.train.grad_accum_steps for k, v in aux.items()}}
-        return sum(losses.values()), losses
+        return sum(v for v in losses.values() if jnp.ndim(v) == 0), losses
     return loss
 
 
@@ -285,7 +286,11 @@ def update_fn(cfg: RunConfig, tx: optax.GradientTransformation, nan_at: int | No
             grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {**losses, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
+        stats = {k: v for k, v in losses.items() if jnp.ndim(v)}  # the model's state statistics
+        if stats:
+            params = models.get(cfg.model.name).update_state(cfg.model, params, stats)
+        metrics = {**{k: v for k, v in losses.items() if k not in stats}, "grad_norm": optax.tree.norm(grads),
+                   "lr": lr(state["step"])}
         return {**state, "params": params, "opt": opt, "step": state["step"] + 1}, metrics
     return update
 
@@ -335,6 +340,9 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
         graphdef = nnx.split(sharding.abstract_model(cfg, replica_constrain))[0]  # so its own model
         return make_loss_and_grads(cfg, loss_sums_fn(cfg, graphdef, run_blocks, reorder), replica_constrain)
 
+    if comm.enabled(cfg) and cfg.model.moe.n_experts > 1 and cfg.model.moe.router == "sigmoid":
+        raise ConfigError("model.moe.router=sigmoid (its balancing bias moves by the step's load) does not combine "
+                          "with train.comm.sync=local_sgd or a compressed train.comm.grad_reduce_dtype yet")
     if comm.enabled(cfg) and cfg.model.moe.n_experts > 1 and mesh.shape["expert"] > 1:
         raise ConfigError("mesh.expert > 1 does not combine with train.comm.sync=local_sgd or a compressed "
                           "train.comm.grad_reduce_dtype yet; use mesh.expert=1")

@@ -58,3 +58,20 @@ def test_mixed_layer_kinds_scan_over_groups_and_the_program_does_not_grow_with_d
     sizes = {n: len(str(scan_equations(pattern, "model.sliding_window=4", f"model.n_layers={n}", count=None)[2]))
              for n in (14, 26)}  # two groups + 2 layers, four groups + 2 layers
     assert sizes[14] == sizes[26]
+
+
+def test_dense_then_moe_layers_are_two_rolled_scans_whatever_the_depth():
+    """DeepSeek's first dense layers then MoE layers (model.moe.first_dense_layers): a scan over each
+    stack, in that order; 2 + 2 or 3 + 6 layers give programs of one size."""
+    deepseek = ["model.moe.n_experts=4", "model.moe.router=sigmoid", "model.moe.n_groups=2",
+                "model.mla={kv_lora_rank: 16, q_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
+                "v_head_dim: 12}"]
+
+    def program(dense, n_layers):
+        _, _, jaxpr = scan_equations(*deepseek, f"model.moe.first_dense_layers={dense}", f"model.n_layers={n_layers}",
+                                     count=None)
+        scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        assert [s.params["length"] for s in scans] == [dense, n_layers - dense]
+        assert "ragged_dot_general" in str(scans[1]) and "ragged_dot_general" not in str(scans[0])
+        return len(str(jaxpr))
+    assert program(2, 4) == program(3, 9)  # the same digits in the shapes: the same text

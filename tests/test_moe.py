@@ -122,3 +122,33 @@ def test_expert_and_context_parallel_losses_gradients_and_collectives():
     assert gathered and all(c.bytes in other_bytes and "context" not in c.axes for c in gathered), gathered
 
 
+
+
+DEEPSEEK = ["model.moe.router=sigmoid", "model.moe.n_groups=2", "model.moe.topk_groups=2",
+            "model.moe.n_shared_experts=1", "model.moe.routed_scaling_factor=2.5", "model.moe.first_dense_layers=1",
+            "model.n_layers=3", "model.moe.bias_update_rate=0.05", "optimizer.weight_decay=0.1"]
+
+
+def test_sigmoid_routers_bias_moves_toward_balance_outside_the_gradient():
+    """DeepSeek-V3's auxiliary-loss-free balancing on a skewed batch (a bias that sends every token to expert 0):
+    the bias gets a gradient of exactly zero and no optimizer update (weight decay included), and each
+    train step moves it by bias_update_rate x sign(mean load - load): down for the overloaded expert,
+    up for the others, until the load evens out."""
+    prog = program(*DEEPSEEK, devices=jax.devices()[:1])
+    state = prog.init(0)
+    bias = state["params"]["blocks"]["sparse"]["moe"]["router_bias_e"]
+    state["params"]["blocks"]["sparse"]["moe"]["router_bias_e"] = bias.at[:, 0].set(1.0)  # every token picks expert 0
+    batch = jax.device_put(np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32), prog.batch_sharding)
+    losses, grads = prog.loss_and_grads(state["params"], batch)
+    assert not np.any(np.asarray(grads["blocks"]["sparse"]["moe"]["router_bias_e"]))
+    load = np.asarray(losses["router_load"])  # (MoE layers, experts): fractions of each layer's assignments
+    assert load.shape == (2, 4) and np.allclose(load.sum(-1), 1) and np.all(load[:, 0] == 0.5)
+    bias = np.asarray(state["params"]["blocks"]["sparse"]["moe"]["router_bias_e"])
+    state, metrics = prog.step(state, batch)
+    assert "router_load" not in metrics
+    moved = np.asarray(state["params"]["blocks"]["sparse"]["moe"]["router_bias_e"]) - bias
+    np.testing.assert_allclose(moved, 0.05 * np.sign(load.mean(-1, keepdims=True) - load), atol=1e-7)
+    for _ in range(20):
+        state, _ = prog.step(state, batch)
+    after = np.asarray(prog.loss_and_grads(state["params"], batch)[0]["router_load"])
+    assert np.all(after.max(-1) < load.max(-1)), (load, after)

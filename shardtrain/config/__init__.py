@@ -23,6 +23,7 @@ from shardtrain.config.schema import (
     LoraConfig,
     MeshConfig,
     MixtureEntry,
+    MlaConfig,
     ModelConfig,
     MoeConfig,
     OptimizerConfig,
@@ -39,7 +40,8 @@ from shardtrain.config.validate import validate, validate_hardware, validate_opt
 
 __all__ = [
     "MESH_AXES", "MOVED", "AxisRule", "CheckpointConfig", "CommConfig", "ConfigError", "DataConfig", "DcnConfig",
-    "HardwareConfig", "LocalTierConfig", "LoraConfig", "MeshConfig", "MixtureEntry", "ModelConfig", "MoeConfig",
+    "HardwareConfig", "LocalTierConfig", "LoraConfig", "MeshConfig", "MixtureEntry", "MlaConfig", "ModelConfig",
+    "MoeConfig",
     "OptimizerConfig", "PipelineConfig", "RopeScalingConfig", "RulesConfig", "RunConfig", "TrainConfig",
     "WatchdogConfig", "absolute", "dump", "from_dict", "is_url", "load", "mesh_axes", "read_yaml", "resolve_paths",
     "to_dict", "validate", "validate_hardware", "validate_optimizer",

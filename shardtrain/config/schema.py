@@ -173,6 +173,43 @@ class MoeConfig:
     (mean router probability of e)."""
     router_z_loss_coef: float = 0.001
     """Weight of the router z-loss, the mean of logsumexp(router logits)^2 (ST-MoE)."""
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    """`softmax` (Mixtral, Qwen-MoE); `sigmoid` (DeepSeek-V3): each expert scored sigmoid(logit),
+    chosen by score + a per-expert load-balancing bias (state, never a gradient: it moves by
+    bias_update_rate x sign(mean load - load) each step), weighted by its score; no auxiliary
+    losses (router_aux_loss_coef and router_z_loss_coef are not used)."""
+    n_groups: int = 1
+    """sigmoid: experts split into n_groups groups; each token picks among the experts of its
+    topk_groups best groups (by the sum of each group's two best biased scores), DeepSeek-V3's n_group."""
+    topk_groups: int = 1
+    """sigmoid: the groups each token keeps (DeepSeek-V3's topk_group)."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' weights times this (DeepSeek-V3's routed_scaling_factor)."""
+    bias_update_rate: float = 0.001
+    """sigmoid: the load-balancing bias's step per train step (DeepSeek-V3's gamma)."""
+    first_dense_layers: int = 0
+    """The first k layers have a dense MLP of dense_d_ff hidden units, the others experts
+    (DeepSeek's first_k_dense_replace); the two kinds run as two rolled scans."""
+    dense_d_ff: Optional[int] = None
+    """Hidden size of the first_dense_layers' MLP; default d_ff."""
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through a rank q_lora_rank bottleneck,
+    keys and values from one shared kv_lora_rank latent, plus a qk_rope_head_dim rotary part of
+    the key shared by all heads."""
+
+    q_lora_rank: Optional[int] = None
+    """Rank of the query's compression (RMSNormed); null: a full query projection."""
+    kv_lora_rank: int = 512
+    """Rank of the key/value latent (RMSNormed)."""
+    qk_nope_head_dim: int = 128
+    """Per-head query/key channels without rotary."""
+    qk_rope_head_dim: int = 64
+    """Per-head query channels with rotary; the key's are one rotary part shared by all heads."""
+    v_head_dim: int = 128
+    """Per-head value channels."""
 
 
 @dataclass(frozen=True)
@@ -245,10 +282,17 @@ class ModelConfig:
     """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
     moe: MoeConfig = field(default_factory=MoeConfig)
     """Mixture of experts (off unless moe.n_experts > 1)."""
+    mla: Optional[MlaConfig] = None
+    """Multi-head latent attention (DeepSeek-V2/V3) instead of grouped-query attention; null: off.
+    Then n_kv_heads = n_heads and head_dim is unused."""
 
     @property
     def head_size(self) -> int:
-        """Attention head size E: head_dim, or d_model / n_heads."""
+        """Attention head size E: head_dim, or d_model / n_heads; with mla the larger of the
+        query/key and value head sizes (the smaller padded with zeros)."""
+        if self.mla is not None:
+            a = self.mla
+            return max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim)
         return self.head_dim or self.d_model // self.n_heads
 
 

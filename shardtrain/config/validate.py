@@ -171,13 +171,27 @@ def validate_model(m: ModelConfig) -> None:
     if m.attn_softcap is not None and m.attention == "cudnn":
         raise ConfigError("model.attention=cudnn cannot soft-cap attention scores (model.attn_softcap); "
                           "use attention=chunked or auto on a GPU")
-    validate_moe(m.moe)
+    validate_moe(m.moe, m.n_layers)
+    if m.mla is not None and m.n_kv_heads != m.n_heads:
+        raise ConfigError(f"model.mla: latent attention has a key and value per head; set model.n_kv_heads="
+                          f"{m.n_heads} (model.n_heads), not {m.n_kv_heads}")
+    if m.mla is not None and (m.layer_pattern or m.qkv_bias or m.qk_norm or m.sliding_window):
+        raise ConfigError("model.mla does not combine with model.layer_pattern, qkv_bias, qk_norm or sliding_window")
     if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
                           "(or set model.head_dim)")
 
 
-def validate_moe(e: MoeConfig) -> None:
+def validate_moe(e: MoeConfig, n_layers: int) -> None:
+    if e.n_experts > 1 and e.router == "sigmoid":
+        groups = e.n_groups >= 1 and e.n_experts % e.n_groups == 0 and 1 <= e.topk_groups <= e.n_groups
+        if not groups or e.experts_per_token > e.topk_groups * (e.n_experts // e.n_groups):
+            raise ConfigError(f"model.moe.n_groups={e.n_groups} must divide model.moe.n_experts={e.n_experts}, "
+                              f"model.moe.topk_groups={e.topk_groups} be between 1 and n_groups, and their experts "
+                              f"hold model.moe.experts_per_token={e.experts_per_token}")
+    if e.n_experts > 1 and not 0 <= e.first_dense_layers < n_layers:
+        raise ConfigError(f"model.moe.first_dense_layers={e.first_dense_layers} must be between 0 and "
+                          f"model.n_layers - 1 = {n_layers - 1}")
     if e.n_experts > 1 and not 1 <= e.experts_per_token <= e.n_experts:
         raise ConfigError(f"model.moe.experts_per_token={e.experts_per_token} must be between 1 and "
                           f"model.moe.n_experts={e.n_experts}")
@@ -203,6 +217,10 @@ def validate_lora(m: ModelConfig, comm: CommConfig) -> None:
         raise ConfigError("model.lora.rank > 0 needs train.comm.sync=every_step and "
                           "train.comm.grad_reduce_dtype=float32 "
                           "(LoRA with local SGD or compressed gradients is not supported yet)")
+    qkv = [p for p in lora.target_params() if p in ("wk_dke", "wv_dke")]
+    if m.mla is not None and lora.rank > 0 and qkv:
+        raise ConfigError(f"model.lora.targets: {', '.join(qkv)} are grouped-query weights, which latent attention "
+                          "(model.mla) does not have; adapt wo_hed (or wq_dhe without q_lora_rank)")
     moe_lora = [p for p in lora.target_params() if p.startswith("w_") and p.endswith(("_df", "_fd"))]
     if m.moe.n_experts > 1 and moe_lora:
         raise ConfigError(f"model.lora.targets: {', '.join(moe_lora)} are dense-MLP weights, which an MoE model "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardtrain.config import ConfigError, ModelConfig, MoeConfig, RopeScalingConfig
+from shardtrain.config import ConfigError, MlaConfig, ModelConfig, MoeConfig, RopeScalingConfig
 from shardtrain.hf.families import FAMILIES, TRAIT_DEFAULTS, Family, Moe, family_for, family_of, field_of, misfits
 
 ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
@@ -29,6 +29,10 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
                     ("use_bidirectional_attention", False)]:
         if (hf.get(key) or ok) != ok:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r})")
+    if hf.get("quantization_config"):  # DeepSeek-V3's own checkpoint: fp8 blocks with scales beside them
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        raise ConfigError(f"{where}: quantization_config (quant_method {method!r}) is not supported; "
+                          "dequantize the weights to bfloat16 first")
     if hf.get("attention_bias") and not family.qkv_bias:
         raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
@@ -42,7 +46,21 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", family.window == "layer_types")),  # Gemma: tied by default
         head_dim=None if head_dim * h == d else head_dim, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
         **{k: family.trait(k) for k in TRAIT_DEFAULTS}, **extras(hf, family, local_theta, where))
+    if family.mla:
+        fields.update(mla_fields(hf, where))
     return ModelConfig(**{**fields, **moe_fields(hf, family, where)})
+
+
+def mla_fields(hf: dict, where: str) -> dict:
+    """Our mla (and n_kv_heads = n_heads, no head_dim) for a DeepSeek config.json."""
+    if not hf.get("rope_interleave", True):
+        raise ConfigError(f"{where}: rope_interleave=false is not supported (only true)")
+    if (hf.get("num_key_value_heads") or hf["num_attention_heads"]) != hf["num_attention_heads"]:
+        raise ConfigError(f"{where}: num_key_value_heads={hf['num_key_value_heads']} is not supported "
+                          f"(only num_attention_heads={hf['num_attention_heads']})")
+    return dict(n_kv_heads=hf["num_attention_heads"], head_dim=None, mla=MlaConfig(
+        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"]))
 
 
 def extras(hf: dict, family: Family, local_theta: float | None, where: str) -> dict:
@@ -180,6 +198,11 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
                tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
     if family.moe is not None:
         out.update(moe_keys(m, family.moe, out, base))
+    if family.mla:
+        a = m.mla
+        out.update(q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
+                   qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim, rope_interleave=True,
+                   head_dim=a.qk_rope_head_dim, qk_head_dim=a.qk_nope_head_dim + a.qk_rope_head_dim)
     out.pop("torch_dtype", None)
     windowed = m.sliding_window is not None
     if family.window == "always":
@@ -232,7 +255,9 @@ def moe_keys(m: ModelConfig, moe: Moe, out: dict, base: dict | None) -> dict:
            for i, key in enumerate(keys) if i == 0 or key in out}
     if moe.sparse_step:
         new.update(decoder_sparse_step=1, mlp_only_layers=[])
-    if "d_ff" in moe.keys:  # d_ff is each expert's size; intermediate_size (a dense MLP's) stays
+    if "dense_d_ff" in moe.keys:  # the first dense layers' MLP (DeepSeek)
+        new["intermediate_size"] = m.moe.dense_d_ff or m.d_ff
+    elif "d_ff" in moe.keys:  # d_ff is each expert's size; intermediate_size (a dense MLP's) stays
         new["intermediate_size"] = (base or {}).get("intermediate_size", m.d_ff)
     if moe.shared_expert and m.moe.n_shared_experts:
         new["shared_expert_intermediate_size"] = m.moe.shared_expert_d_ff or m.d_ff

@@ -7,7 +7,8 @@ All of them are configs of the one decoder in models/gpt.py. A family differs fr
   the optional ones its config.json can hold (`extras`: Gemma's soft caps, ...);
 - how config.json decides the sliding window (`window`: Gemma's `layer_types` mix local and global layers);
 - for a mixture of experts: which config.json key holds each of our MoE fields, the defaults when
-  a key is absent, and the names of its MoE MLP's tensors.
+  a key is absent, and the names of its MoE MLP's tensors;
+- DeepSeek-V3's latent attention (`mla`).
 
 `family_for(model)` picks the family that holds our model config exactly: a config that no family
 holds (say qk_norm and qkv_bias together) is a ConfigError rather than an export that drops a
@@ -20,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shardtrain.config import ConfigError, ModelConfig
+from shardtrain.config import ConfigError, ModelConfig, MoeConfig
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class Moe:
     """Our fields the family cannot change (Mixtral always renormalises the top-k weights)."""
     shared_expert: bool = False
     """One gated shared expert, its size in shared_expert_intermediate_size (Qwen2-MoE)."""
+    shared: Literal["none", "gated", "plain"] = "none"
+    """Shared experts: none; `gated`: one gated shared expert of shared_expert_intermediate_size
+    (Qwen2-MoE, also `shared_expert`); `plain`: n_shared_experts of the experts' size, one MLP
+    under `mlp`shared_experts (DeepSeek)."""
     sparse_step: bool = False
     """config.json can leave dense layers between MoE layers (decoder_sparse_step, mlp_only_layers);
     we read only configs where every layer is MoE (Qwen-MoE)."""
@@ -65,6 +70,8 @@ class Family:
     pattern: int = 0
     """window=layer_types: without `layer_types`, every pattern-th layer is global (Gemma 3 reads
     `sliding_window_pattern` first)."""
+    mla: bool = False
+    """Multi-head latent attention (DeepSeek): our model.mla from config.json's q_lora_rank, ...."""
     act_key: str = "hidden_act"
     """The config.json key of the MLP's activation."""
 
@@ -107,7 +114,18 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
         QWEN_MOE_KEYS, QWEN_MOE_DEFAULTS, "mlp.", QWEN_EXPERTS, shared_expert=True, sparse_step=True)),
     Family("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, window="use_sliding_window", moe=Moe(
         QWEN_MOE_KEYS, QWEN_MOE_DEFAULTS, "mlp.", QWEN_EXPERTS, sparse_step=True)),
+    Family("DeepseekV3ForCausalLM", "deepseek_v3", mla=True, moe=Moe(
+        keys={"n_experts": ("n_routed_experts",), "experts_per_token": ("num_experts_per_tok",),
+              "d_ff": ("moe_intermediate_size",), "norm_topk_prob": ("norm_topk_prob",),
+              "n_shared_experts": ("n_shared_experts",), "routed_scaling_factor": ("routed_scaling_factor",),
+              "n_groups": ("n_group",), "topk_groups": ("topk_group",),
+              "first_dense_layers": ("first_k_dense_replace",), "dense_d_ff": ("intermediate_size",)},
+        defaults={"norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_groups": 8,
+                  "topk_groups": 4, "first_dense_layers": 3},
+        mlp="mlp.", experts=QWEN_EXPERTS, fixed={"router": "sigmoid"}, shared="plain")),
 ]}
+ROUTING = ("router", "n_groups", "topk_groups", "routed_scaling_factor", "first_dense_layers", "dense_d_ff")
+"""MoE fields that change the math which only families naming them (keys, fixed) hold."""
 
 
 def family_of(hf: dict, where: str) -> Family:
@@ -134,13 +152,18 @@ def misfits(f: Family, m: ModelConfig) -> list[str]:
     out += [f"{k}={getattr(m, k)!r}" for k in TRAIT_DEFAULTS if getattr(m, k) != f.trait(k)]
     out += [f"{k}={getattr(m, k)}" for k in EXTRAS if getattr(m, k) is not None and k not in f.extras]
     out += [f"layer_pattern={list(m.layer_pattern)}"] if m.layer_pattern and f.window != "layer_types" else []
+    out += [f"mla={m.mla}"] if (m.mla is not None) != f.mla else []
     e = m.moe
     if (e.n_experts > 1) != (f.moe is not None):
         return [*out, f"n_experts={e.n_experts}"]
     if f.moe is not None:
         out += [f"{k}={field_of(m, k)}" for k, v in f.moe.fixed.items() if field_of(m, k) != v]
+        out += [f"{k}={getattr(e, k)}" for k in ROUTING if k not in f.moe.keys and k not in f.moe.fixed
+                and getattr(e, k) != getattr(MoeConfig(), k)]
+        plain = not e.shared_expert_gate and e.shared_expert_d_ff in (None, e.n_shared_experts * m.d_ff)
         shared_ok = (e.n_shared_experts == 0 or (e.n_shared_experts == 1 and e.shared_expert_gate)
-                     if f.moe.shared_expert else e.n_shared_experts == 0)
+                     if f.moe.shared_expert else e.n_shared_experts == 0 or plain if f.moe.shared == "plain"
+                     else e.n_shared_experts == 0)
         out += [] if shared_ok else [f"n_shared_experts={e.n_shared_experts} (gate {e.shared_expert_gate})"]
     return out
 

@@ -111,7 +111,8 @@ class HfDir:
         def ours(i=None, j=None):  # one HF tensor in our layout, cached until the next one is asked for
             if (i, j) not in last:
                 last.clear()
-                last[i, j] = entry.to_ours(self.reader.get(entry.hf.format(i=i, j=j)))
+                last[i, j] = entry.to_ours(self.reader.get(entry.hf.format(i=None if i is None else entry.first + i,
+                                                                           j=j)))
             return last[i, j]
 
         def fill(index):

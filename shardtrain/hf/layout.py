@@ -20,11 +20,19 @@ Layouts (ours <- HF, per layer i; our block parameters are stacked on a leading 
   blocks/moe/shared_w_gate_df, shared_w_up_df, shared_w_down_fd <- mlp.shared_expert.* (Qwen2-MoE)
   blocks/moe/shared_expert_gate_d1 (D, 1) <- mlp.shared_expert_gate.weight (1, D)
   unembed_dv (D, V)       <- lm_head.weight (V, D), absent when the embeddings are tied
-The rotary layout needs no permutation: models/gpt.py rotates halves exactly as HF does.
+  latent attention (DeepSeek, model.mla; R q_lora_rank, C kv_lora_rank, N + P query/key, A value channels):
+  blocks/wq_a_dr (D, R), q_a_norm <- q_a_proj (R, D), q_a_layernorm;  wq_b_rhe (R, H, N+P) <- q_b_proj (H*(N+P), R)
+  (or wq_dhe <- q_proj);  wkv_a_dc (D, C+P), kv_a_norm <- kv_a_proj_with_mqa (C+P, D), kv_a_layernorm;
+  wkv_b_che (C, H, N+A) <- kv_b_proj (H*(N+A), C);  wo_hed (H, A, D) <- o_proj (D, H*A);
+  blocks/moe/router_bias_e (E,) <- mlp.gate.e_score_correction_bias; shared experts under mlp.shared_experts.
+  With moe.first_dense_layers = k: blocks/dense holds HF layers 0..k-1, blocks/sparse the others.
+The rotary layout needs no permutation: models/gpt.py rotates halves exactly as HF does, except
+DeepSeek's interleaved pairs, de-interleaved in the rotary rows of q_b_proj and kv_a_proj (`rope_perm`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +52,10 @@ class Entry:
     hf_shape: tuple[int, ...]
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    first: int = 0
+    """Layered entries of a stage (models.Stages): our layer i is HF layer first + i ..."""
+    count: int | None = None
+    """... for `count` layers (None: all the model's)."""
 
     @property
     def layered(self) -> bool:
@@ -70,6 +82,53 @@ NORMS = {"pre": [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_
 
 
 def tensor_map(m: ModelConfig) -> list[Entry]:
+    k = m.moe.first_dense_layers if m.moe.n_experts > 1 else 0
+    if not k:
+        return model_map(m)
+    # DeepSeek: blocks/dense holds HF layers 0..k-1, blocks/sparse the others (models.Stages)
+    dense = dataclasses.replace(m, d_ff=m.moe.dense_d_ff or m.d_ff, moe=dataclasses.replace(m.moe, n_experts=0))
+    out = [dataclasses.replace(e, ours=("blocks", "dense", *e.ours[1:]), count=k)
+           for e in model_map(dense) if e.layered]
+    return out + [dataclasses.replace(e, ours=("blocks", "sparse", *e.ours[1:]), first=k, count=m.n_layers - k)
+                  if e.layered else e for e in model_map(m)]
+
+
+def rope_perm(p: int) -> np.ndarray:
+    """DeepSeek's interleaved rotary pairs (x0, x1), (x2, x3), ... -> our halves [x0, x2, ...; x1, x3, ...]."""
+    return np.concatenate([np.arange(0, p, 2), np.arange(1, p, 2)])
+
+
+def mla_entries(m: ModelConfig) -> list[Entry]:
+    """Multi-head latent attention's tensors (DeepSeek; the rotary channels de-interleaved)."""
+    a, d, h = m.mla, m.d_model, m.n_heads
+    n, p, c, v = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
+    perm, attn = rope_perm(p), "model.layers.{i}.self_attn."
+    q_perm = np.concatenate([np.arange(n), n + perm])
+    kv_perm = np.concatenate([np.arange(c), c + perm])
+
+    def heads(rows, x):  # (H*X, rows) <-> (rows, H, X), the query's rotary channels permuted
+        idx = q_perm if x == n + p else np.arange(x)
+        inv = np.argsort(idx)
+        return (lambda t: t.T.reshape(rows, h, x)[..., idx]), (lambda t: t[..., inv].reshape(rows, h * x).T)
+    out = []
+    if a.q_lora_rank is None:
+        out.append(Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * (n + p), d), *heads(d, n + p)))
+    else:
+        r = a.q_lora_rank
+        out += [Entry(("blocks", "wq_a_dr"), attn + "q_a_proj.weight", (r, d), tr, tr),
+                Entry(("blocks", "q_a_norm"), attn + "q_a_layernorm.weight", (r,), same, same),
+                Entry(("blocks", "wq_b_rhe"), attn + "q_b_proj.weight", (h * (n + p), r), *heads(r, n + p))]
+    inv = np.argsort(kv_perm)
+    return out + [
+        Entry(("blocks", "wkv_a_dc"), attn + "kv_a_proj_with_mqa.weight", (c + p, d),
+              lambda t: t.T[:, kv_perm], lambda t: t[:, inv].T),
+        Entry(("blocks", "kv_a_norm"), attn + "kv_a_layernorm.weight", (c,), same, same),
+        Entry(("blocks", "wkv_b_che"), attn + "kv_b_proj.weight", (h * (n + v), c), *heads(c, n + v)),
+        Entry(("blocks", "wo_hed"), attn + "o_proj.weight", (d, h * v),
+              lambda t: t.T.reshape(h, v, d), lambda t: t.reshape(h * v, d).T)]
+
+
+def model_map(m: ModelConfig) -> list[Entry]:
     d, h, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
     e = m.head_size
 
@@ -82,11 +141,15 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
     entries = [Entry(("embedding_vd",), "model.embed_tokens.weight", (v, d), same, same)]
     entries += [Entry(("blocks", ours), layer + hf + ".weight", (d,), same, same)
                 for ours, hf in NORMS[m.norm_position]]
-    entries += [
-        Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * e, d), *proj(h)),
-        Entry(("blocks", "wk_dke"), attn + "k_proj.weight", (k * e, d), *proj(k)),
-        Entry(("blocks", "wv_dke"), attn + "v_proj.weight", (k * e, d), *proj(k)),
-    ]
+    if m.mla is not None:
+        entries += mla_entries(m)
+    else:
+        entries += [
+            Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * e, d), *proj(h)),
+            Entry(("blocks", "wk_dke"), attn + "k_proj.weight", (k * e, d), *proj(k)),
+            Entry(("blocks", "wv_dke"), attn + "v_proj.weight", (k * e, d), *proj(k)),
+            Entry(("blocks", "wo_hed"), attn + "o_proj.weight", (d, h * e),
+                  lambda a: a.T.reshape(h, e, d), lambda a: a.reshape(h * e, d).T)]
     if m.qkv_bias:
         entries += [Entry(("blocks", "bq_he"), attn + "q_proj.bias", (h * e,), *bias(h)),
                     Entry(("blocks", "bk_ke"), attn + "k_proj.bias", (k * e,), *bias(k)),
@@ -97,10 +160,6 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
     elif m.qk_norm:
         entries += [Entry(("blocks", "q_norm_he"), attn + "q_norm.weight", (h * e,), *bias(h)),
                     Entry(("blocks", "k_norm_ke"), attn + "k_norm.weight", (k * e,), *bias(k))]
-    entries += [
-        Entry(("blocks", "wo_hed"), attn + "o_proj.weight", (d, h * e),
-              lambda a: a.T.reshape(h, e, d), lambda a: a.reshape(h * e, d).T),
-    ]
     if m.moe.n_experts > 1:
         entries += moe_entries(m)
     else:
@@ -122,20 +181,25 @@ def moe_entries(m: ModelConfig) -> list[Entry]:
                Entry((*ours, "w_gate_edf"), mlp + f"experts.{{j}}.{gate}.weight", (f, d), tr, tr),
                Entry((*ours, "w_up_edf"), mlp + f"experts.{{j}}.{up}.weight", (f, d), tr, tr),
                Entry((*ours, "w_down_efd"), mlp + f"experts.{{j}}.{down}.weight", (d, f), tr, tr)]
+    if m.moe.router == "sigmoid":
+        entries.append(Entry((*ours, "router_bias_e"), mlp + "gate.e_score_correction_bias", (n,), same, same))
     if m.moe.n_shared_experts:
         s = m.moe.shared_expert_d_ff or m.moe.n_shared_experts * f
-        entries += [Entry((*ours, "shared_w_gate_df"), mlp + "shared_expert.gate_proj.weight", (s, d), tr, tr),
-                    Entry((*ours, "shared_w_up_df"), mlp + "shared_expert.up_proj.weight", (s, d), tr, tr),
-                    Entry((*ours, "shared_w_down_fd"), mlp + "shared_expert.down_proj.weight", (d, s), tr, tr),
-                    Entry((*ours, "shared_expert_gate_d1"), mlp + "shared_expert_gate.weight", (1, d), tr, tr)]
+        shared = mlp + ("shared_experts." if moe.shared == "plain" else "shared_expert.")
+        entries += [Entry((*ours, "shared_w_gate_df"), shared + "gate_proj.weight", (s, d), tr, tr),
+                    Entry((*ours, "shared_w_up_df"), shared + "up_proj.weight", (s, d), tr, tr),
+                    Entry((*ours, "shared_w_down_fd"), shared + "down_proj.weight", (d, s), tr, tr)]
+    if m.moe.shared_expert_gate:
+        entries.append(Entry((*ours, "shared_expert_gate_d1"), mlp + "shared_expert_gate.weight", (1, d), tr, tr))
     return entries
 
 
 def indexed_names(entry: Entry, m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, index into our stacked parameter) for each HF tensor of `entry`."""
-    layers = range(m.n_layers) if entry.layered else [None]
+    layers = range(m.n_layers if entry.count is None else entry.count) if entry.layered else [None]
     experts = range(m.moe.n_experts) if entry.per_expert else [None]
-    return [(entry.hf.format(i=i, j=j), tuple(x for x in (i, j) if x is not None)) for i in layers for j in experts]
+    return [(entry.hf.format(i=None if i is None else entry.first + i, j=j), tuple(x for x in (i, j) if x is not None))
+            for i in layers for j in experts]
 
 
 def names_of(entry: Entry, m: ModelConfig) -> list[str]:

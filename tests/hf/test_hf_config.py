@@ -166,3 +166,36 @@ def test_gemma_config_files_map_to_our_fields_and_back():
                           "rope type 'yarn' of the sliding_attention layers is not supported")]:
         with pytest.raises(ConfigError, match=message):
             model_config({**gemma3_1b, **bad})
+
+
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "intermediate_size": 18432,
+               "moe_intermediate_size": 2048, "num_attention_heads": 128, "num_key_value_heads": 128,
+               "num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1,
+               "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+               "norm_topk_prob": True, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+               "vocab_size": 129280, "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False}
+"""DeepSeek-V3's config.json without its yarn rope scaling (the fields that matter)."""
+
+
+def test_deepseek_v3_config_file_maps_to_our_fields_and_back():
+    m = model_config(DEEPSEEK_V3)
+    assert (m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_rope_head_dim, m.head_size, m.n_kv_heads) == (
+        1536, 512, 64, 192, 128)
+    e = m.moe
+    assert (e.router, e.n_experts, e.n_groups, e.topk_groups, e.first_dense_layers, e.dense_d_ff, m.d_ff) == (
+        "sigmoid", 256, 8, 4, 3, 18432, 2048)
+    assert model_config(hf_config(m)) == m
+    v2_lite = {**DEEPSEEK_V3, "q_lora_rank": None}  # V2-Lite's full query projection
+    assert model_config(v2_lite).mla.q_lora_rank is None
+    for bad, message in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "rope type 'yarn' is not supported"),
+                         ({"rope_interleave": False}, "rope_interleave=false is not supported"),
+                         ({"num_key_value_heads": 8}, "num_key_value_heads=8 is not supported"),
+                         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+                         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config .* not supported")]:
+        with pytest.raises(ConfigError, match=message):
+            model_config({**DEEPSEEK_V3, **bad})
+    qwen3_moe = model_config(read_config(FIXTURES / "qwen3_moe"))  # sigmoid routing: DeepSeek's alone
+    with pytest.raises(ConfigError, match="Qwen3MoeForCausalLM, which cannot hold this model config.s router=sigmoid"):
+        hf_config(dataclasses.replace(qwen3_moe, moe=dataclasses.replace(qwen3_moe.moe, router="sigmoid")),
+                  base=read_config(FIXTURES / "qwen3_moe"))

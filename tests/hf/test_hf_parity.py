@@ -33,7 +33,8 @@ def test_logits_equal_transformers_on_2x2x2_mesh_and_one_device(family):
     assert np.abs(sharded - single).max() < 1e-5 * np.abs(want).max()  # logits up to ~8: reduction order
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "olmo2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "olmo2", "gemma2", "gemma3",
+                                    "deepseek_v3", "deepseek_v3_full_q"])
 def test_greedy_generation_equals_transformers(family):
     ref, _ = reference(family)
     gen = generate.Generator.from_source(FIXTURES / family)
@@ -46,6 +47,14 @@ def test_greedy_generation_equals_transformers(family):
     assert stopped[0] == ref["new_ids"][:eos_at]
     if family in ("llama", "mistral", "gemma3"):  # the left-padded row generates what it does alone (windows too)
         assert out[1] == gen.generate([short], 20, stop_at_eos=False)[0]
+
+
+def test_deepseek_v3_generation_caches_the_latent_not_keys_and_values():
+    """Per layer and token the cache holds kv_lora_rank + qk_rope_head_dim = 16 + 8 numbers (the greedy
+    tokens above come through it), not 2 x heads x head size = 128."""
+    gen = generate.Generator.from_source(FIXTURES / "deepseek_v3")
+    layout = type(gen.model).cache_layout(gen.cfg.model, 2, 10)
+    assert {k: shape for k, (shape, _) in layout.items()} == {"k": (3, 2, 10, 16), "v": (3, 2, 10, 8)}
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

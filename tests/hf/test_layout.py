@@ -18,12 +18,18 @@ def test_tensor_map_names_every_stored_tensor_and_its_layouts_invert(family):
     assert sorted(names) == sorted(stored.names())  # nothing missing, nothing left over
     e = m.head_dim or m.d_model // m.n_heads
     for entry in tensor_map(m):
-        a = np.asarray(stored.get(entry.hf.format(i=0, j=0)), np.float32)
+        a = np.asarray(stored.get(entry.hf.format(i=entry.first, j=0)), np.float32)
         ours = entry.to_ours(a)
         assert np.array_equal(entry.to_hf(ours), a), entry.hf
         if entry.ours[-1] in ("wq_dhe", "wk_dke"):  # HF rows n*E + e (a head's E rows together) -> ours [:, n, e]
-            assert np.array_equal(ours[:, 1, 2], a[e + 2])
-        if entry.ours[-1] == "wo_hed":  # HF columns n*E + e -> ours [n, e, :]
-            assert np.array_equal(ours[1, 2], a[:, e + 2])
+            eq = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if m.mla else e
+            assert np.array_equal(ours[:, 1, 2], a[eq + 2])
+        if entry.ours[-1] == "wo_hed":  # HF columns n*E + e -> ours [n, e, :] (E: the value head size)
+            ev = m.mla.v_head_dim if m.mla else e
+            assert np.array_equal(ours[1, 2], a[:, ev + 2])
+        if entry.ours[-1] == "wq_b_rhe":  # DeepSeek's interleaved rotary pairs: its channel 2 is our second
+            n, p = m.mla.qk_nope_head_dim, m.mla.qk_rope_head_dim
+            assert np.array_equal(ours[:, 1, n + 1], a[(n + p) + n + 2])
+            assert np.array_equal(ours[:, 1, n + p // 2], a[(n + p) + n + 1])  # ... channel 1 our first of the 2nd half
         if entry.ours[-1] in ("w_up_df", "w_up_edf", "router_de"):  # HF (out, in) -> ours (in, out)
             assert np.array_equal(ours, a.T)

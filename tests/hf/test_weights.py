@@ -55,10 +55,12 @@ def test_moe_import_then_export_round_trips_bit_exactly(tmp_path):
     round_trip(FIXTURES / "qwen2_moe", tmp_path)  # per-expert tensors, a gated shared expert, qkv bias
 
 
-@pytest.mark.parametrize("family", NEW_FAMILIES)
+@pytest.mark.parametrize("family", [*NEW_FAMILIES, "deepseek_v3", "deepseek_v3_full_q"])
 def test_new_families_import_then_export_round_trip_bit_exactly(tmp_path, family):
     """Every tensor (OLMo 2's post-norms and whole-projection qk-norm weights, Gemma's four norms a
-    layer and tied embeddings) and the config.json (layer kinds, soft caps, Gemma 3's rope per layer kind)."""
+    layer and tied embeddings, DeepSeek-V3's latent attention with its interleaved rotary channels,
+    dense and MoE layers, router bias) and the config.json (layer kinds, soft caps, Gemma 3's rope per
+    layer kind, DeepSeek's ranks and routing)."""
     src = FIXTURES / family
     exported = json.loads((round_trip(src, tmp_path) / "config.json").read_text())
     assert model_config(exported) == HfDir(src).model
