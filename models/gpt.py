@@ -351,8 +351,16 @@ class Gpt(nnx.Module):
             x_btd = x_btd * jnp.asarray(self.embed_scale, x_btd.dtype)
         return self.constrain(x_btd, BTD)
 
-    def head(self, x_btd):
+    def unembedding(self):
+        """The unembedding (D, V), whole along d_model: FSDP's gather of it done once, e.g. before a
+        chunked loss applies `head` chunk after chunk (else each chunk gathers it again)."""
         unembed_dv = self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
+        return self.constrain(unembed_dv, (None, "vocab"))
+
+    def head(self, x_btd, unembed_dv=None):
+        """Logits (B, T, V); `unembed_dv` as `unembedding` returns it, default the parameter as stored."""
+        if unembed_dv is None:
+            unembed_dv = self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
         h_btd = rms_norm(x_btd, self.final_norm[...], self.eps, plus_one=self.plus_one)
         logits_btv = softcap(dense(h_btd, unembed_dv, flat=self.constrain.size("seq") == 1), self.final_softcap)
         return self.constrain(logits_btv, BTV)

@@ -49,8 +49,12 @@ class Mlp(nnx.Module):
         table_vd = lookup_table(self.embedding_vd[...], self.constrain)
         return self.constrain(embed_lookup(table_vd, tokens_bt, self.embed_how), BTD)
 
-    def head(self, x_btd):
-        return self.constrain(dense(x_btd, self.unembed_dv[...]), BTV)
+    def unembedding(self):
+        """The unembedding (D, V), whole along d_model (see gpt.GPT.unembedding)."""
+        return self.constrain(self.unembed_dv[...], (None, "vocab"))
+
+    def head(self, x_btd, unembed_dv=None):
+        return self.constrain(dense(x_btd, self.unembed_dv[...] if unembed_dv is None else unembed_dv), BTV)
 
     def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):
         return self.head(scan_blocks(self.blocks, self.embed(tokens_bt)))

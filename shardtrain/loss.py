@@ -21,6 +21,12 @@ def cross_entropy(logits_btv, targets_bt):
     return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
 
 
+def n_chunks(t: int, chunk: int, seq_shards: int = 1) -> int:
+    """How many chunks `weighted_cross_entropy_sum` computes T positions in (1: the plain loss)."""
+    local = t // seq_shards
+    return 1 if chunk <= 0 or chunk >= local else local // chunk
+
+
 def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, chunk: int, seq_shards: int = 1):
     """`(cross_entropy(head(x_btd), targets_bt) * weights_bt).sum()` computed `chunk` positions at a
     time (0 or >= T: one chunk, the plain loss). `head` maps x_bcd -> logits_bcv for any length c.
@@ -30,10 +36,9 @@ def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, ch
     chunk crosses devices (the sum does not depend on the order) and each device computes B x chunk
     x V logits at a time; `chunk` must divide T / seq_shards (or be >= it: one chunk)."""
     b, t = targets_bt.shape
-    local = t // seq_shards
-    if chunk <= 0 or chunk >= local:
+    n = n_chunks(t, chunk, seq_shards)
+    if n == 1:
         return (cross_entropy(head(x_btd), targets_bt) * weights_bt).sum()
-    n = local // chunk
 
     def split(a):  # (B, T, ...) -> (N, B, S C, ...): chunk i holds positions s T/S + i C + (0..C-1) of every s
         a = a.reshape(b, seq_shards, n, chunk, *a.shape[2:])

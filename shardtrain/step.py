@@ -14,6 +14,7 @@ Train state (a plain dict pytree, checkpointed as is; spelled once, in `fresh_st
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ from shardtrain import comm, optim, pipeline, sharding
 from shardtrain.blocks import scan_runner
 from shardtrain.config import ConfigError, RunConfig
 from shardtrain.data import loader
-from shardtrain.loss import weighted_cross_entropy_sum
+from shardtrain.loss import n_chunks, weighted_cross_entropy_sum
 from shardtrain.sharding import abstract_model  # noqa: F401 - callers reach it as step.abstract_model
 
 
@@ -227,8 +228,11 @@ def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callab
         docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
         out = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
         x_btd, aux = out if isinstance(out, tuple) else (out, {})
-        total = weighted_cross_entropy_sum(model.head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk,
-                                           seq_shards=model.constrain.size("seq"))
+        seq_shards = model.constrain.size("seq")
+        head = model.head
+        if n_chunks(x_btd.shape[1], cfg.train.loss_chunk, seq_shards) > 1:  # gathered once, not per chunk
+            head = functools.partial(model.head, unembed_dv=model.unembedding())
+        total = weighted_cross_entropy_sum(head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk, seq_shards)
         return total, weights_bt.sum(), aux
     return loss_sums
 

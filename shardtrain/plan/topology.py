@@ -62,6 +62,17 @@ def gpu_nodes(topology: str) -> tuple[int, int]:
     return nodes, per_node
 
 
+def wraparound(topology: str) -> tuple[bool, bool, bool]:
+    """Which dimensions of a TPU slice close into a ring, as Cloud TPU wires them: a 3D (v4, v5p) slice
+    whose every dimension is a multiple of 4 is a torus; in a 2D (v5e, v6e) slice a dimension of 16
+    chips wraps. libtpu's default is no wraparound, and on a mesh without it the TPU compiler writes
+    every large gather as a zero-padded all-reduce (twice the traffic)."""
+    dims = [int(s) for s in topology.split("x")]
+    if len(dims) == 3:
+        return (all(d % 4 == 0 for d in dims),) * 3
+    return (dims[0] == 16, dims[1] == 16, False)
+
+
 @functools.cache
 def devices(chip: Chip, topology: str, slices: int = 1) -> tuple:
     """The compile-only devices of `slices` slices of `topology` chips of `chip` (a TPU), or of
@@ -81,7 +92,8 @@ def devices(chip: Chip, topology: str, slices: int = 1) -> tuple:
     name = f"{chip.tpu_name}:{topology}"
     try:
         kwargs = {"num_slices": slices} if slices > 1 else {}
-        found = topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs).devices
+        found = topologies.get_topology_desc(topology_name=name, platform="tpu", wrap=wraparound(topology),
+                                             **kwargs).devices
     except Exception as e:  # libtpu rejects the shape: say which and why, in one line
         reason = str(e).strip().splitlines()[0][:200]
         raise ConfigError(f"hardware.topology={topology}: libtpu has no {chip.name} topology '{name}' ({reason}); "

@@ -45,6 +45,7 @@ from shardtrain.plan.hlo.parse import (
     tuple_index,
 )
 
+_CHANNEL = re.compile(r"channel_id=(\d+)")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
@@ -75,6 +76,8 @@ def collectives(program: str | Module, mesh_shape: dict[str, int]) -> list[Colle
     mult = multipliers(module)
     tainted = _partition_scalars(module)
     n_devices = math.prod(mesh_shape.values())
+    caller = {callee: name for name, comp in module.computations.items() for ins in comp for _, callee in callees(ins)}
+    seen = set()
     out = []
     for cname, comp in module.computations.items():
         if not mult[cname]:
@@ -83,6 +86,14 @@ def collectives(program: str | Module, mesh_shape: dict[str, int]) -> list[Colle
             kind = ins.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
+            # the TPU compiler splits an async collective into start / compute / done fusions that
+            # each hold a copy of it (one channel): one collective
+            channel = _CHANNEL.search(ins.line)
+            if channel:
+                key = (channel.group(1), caller.get(cname))
+                if key in seen:
+                    continue
+                seen.add(key)
             groups = device_groups(ins.line, n_devices)
             n = len(groups[0]) if groups else 1
             axes = group_axes(groups, mesh_shape)
