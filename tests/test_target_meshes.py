@@ -25,6 +25,7 @@ TARGETS = {  # config: (devices, devices per host, slices/hosts joined over DCN)
     "mixtral_8x7b_v5p_128": (128, 4, 1),
     "gemma2_9b_v5p_64": (64, 4, 1),
     "olmo2_7b_v5p_64": (64, 4, 1),
+    "deepseek_v2_lite_v5p_64": (32, 4, 1),
 }
 
 
