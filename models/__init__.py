@@ -150,6 +150,14 @@ def scan_blocks(blocks, x, wrap=lambda body: body, segment_ids=None, positions=N
 # shardtrain). Both compute exactly what the plain form would (an einsum, a gather).
 
 
+def flat_matmuls(constrain) -> bool:
+    """Whether `dense` runs as one 2D matmul (flat=True) under `constrain`: not when the sequence is
+    split (context parallelism), and not on TPUs, where a weight reshaped to 2D is FSDP-gathered a
+    second time, transposed, for the backward (Llama-3: 3 of a layer's 7 weights gathered 3 times
+    instead of twice)."""
+    return constrain.size("seq") == 1 and constrain.platform != "tpu"
+
+
 def dense(x, w, n_in=1, flat=True, quantization="none"):
     """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul: the same
     numbers as `einsum("...k,k...")`, and XLA's CPU backend runs (N, K) @ (K, M) much faster than a

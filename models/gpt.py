@@ -38,6 +38,7 @@ from models import (
     attention,
     dense,
     embed_lookup,
+    flat_matmuls,
     lookup_table,
     matmul_params,
     moe,
@@ -239,7 +240,7 @@ class Block(nnx.Module):
     def mm(self, x, name, n_in=1):
         """x times block weight `name` (flat 2D matmul unless the sequence is split over devices),
         quantized by the block's `quantization`."""
-        return dense(x, self.weight(name), n_in, flat=self.constrain.size("seq") == 1, quantization=self.quantization)
+        return dense(x, self.weight(name), n_in, flat=flat_matmuls(self.constrain), quantization=self.quantization)
 
     def norm(self, x, name, axes=(-1,)):
         """RMSNorm by the block's norm weight `name`; x itself when the block has no such norm."""
@@ -346,7 +347,7 @@ class Gpt(nnx.Module):
 
     def embed(self, tokens_bt):
         table_vd = lookup_table(self.embedding_vd[...], self.constrain)
-        x_btd = embed_lookup(table_vd, tokens_bt, self.embed_how, flat=self.constrain.size("seq") == 1)
+        x_btd = embed_lookup(table_vd, tokens_bt, self.embed_how, flat=flat_matmuls(self.constrain))
         if self.embed_scale is not None:  # sqrt(d_model) rounded to the compute dtype, as Gemma does
             x_btd = x_btd * jnp.asarray(self.embed_scale, x_btd.dtype)
         return self.constrain(x_btd, BTD)
@@ -362,7 +363,7 @@ class Gpt(nnx.Module):
         if unembed_dv is None:
             unembed_dv = self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
         h_btd = rms_norm(x_btd, self.final_norm[...], self.eps, plus_one=self.plus_one)
-        logits_btv = softcap(dense(h_btd, unembed_dv, flat=self.constrain.size("seq") == 1), self.final_softcap)
+        logits_btv = softcap(dense(h_btd, unembed_dv, flat=flat_matmuls(self.constrain)), self.final_softcap)
         return self.constrain(logits_btv, BTV)
 
     def __call__(self, tokens_bt, segment_ids_bt=None, positions_bt=None):

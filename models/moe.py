@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import dense, param, quant
+from models import dense, flat_matmuls, param, quant
 
 normal = nnx.initializers.normal
 W_IN = ("experts", "expert_embed", "mlp")
@@ -229,7 +229,7 @@ class Moe(nnx.Module):
 
     def __call__(self, h_btd):
         c, cfg = self.constrain, self.cfg
-        flat = c.size("seq") == 1
+        flat = flat_matmuls(c)
         logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32), flat=flat)
         if cfg.moe.router == "sigmoid":
             top_i_btk, weight_btk, probs_bte = route_sigmoid(logits_bte, self.router_bias_e[...], cfg, c)

@@ -76,7 +76,8 @@ def collectives(program: str | Module, mesh_shape: dict[str, int]) -> list[Colle
     mult = multipliers(module)
     tainted = _partition_scalars(module)
     n_devices = math.prod(mesh_shape.values())
-    caller = {callee: name for name, comp in module.computations.items() for ins in comp for _, callee in callees(ins)}
+    fused_in = {callee: name for name, comp in module.computations.items() for ins in comp if ins.opcode == "fusion"
+                for _, callee in callees(ins)}
     seen = set()
     out = []
     for cname, comp in module.computations.items():
@@ -86,11 +87,11 @@ def collectives(program: str | Module, mesh_shape: dict[str, int]) -> list[Colle
             kind = ins.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
-            # the TPU compiler splits an async collective into start / compute / done fusions that
-            # each hold a copy of it (one channel): one collective
+            # the TPU compiler splits an async collective into start / compute / done fusions of one
+            # computation that each hold a copy of it (one channel): one collective
             channel = _CHANNEL.search(ins.line)
-            if channel:
-                key = (channel.group(1), caller.get(cname))
+            if channel and cname in fused_in:
+                key = (channel.group(1), fused_in[cname])
                 if key in seen:
                     continue
                 seen.add(key)
