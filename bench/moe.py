@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from models import moe as moe_lib  # noqa: E402
 from shardtrain import config, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
-from shardtrain.plan import hlo  # noqa: E402
+from shardtrain.plan import chips, hlo, topology as topology_lib  # noqa: E402
 
 BASE = ["model.moe.n_experts=8", "model.moe.experts_per_token=2", "data.source=synthetic", "mesh.data=2", "mesh.fsdp=1",
         "mesh.tensor=1", "mesh.expert=4"]
@@ -57,9 +57,9 @@ def cpu_step_time(cfg, steps: int) -> float:
 
 
 def tpu_compile(cfg, topology: str) -> dict:
-    from jax.experimental import topologies
-    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, topo.devices))
+    chip, dims = topology.split(":")
+    devices = topology_lib.devices(chips.CHIPS[chip], dims)  # the slice with its wraparound links, as plan sees it
+    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
     seconds = time.perf_counter() - t0

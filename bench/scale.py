@@ -21,9 +21,9 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import yaml  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
 
 from shardtrain import config, mesh as mesh_lib, step  # noqa: E402
+from shardtrain.plan import chips, topology as topology_lib  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -42,14 +42,15 @@ def load(path, overrides):
 
 
 def compile_one(cfg, topology: str) -> dict:
-    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-    mesh = mesh_lib.make_mesh(cfg.mesh, devices=topo.devices)
+    chip, dims = topology.split(":")
+    devices = topology_lib.devices(chips.CHIPS[chip], dims)  # the slice with its wraparound links, as plan sees it
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices=devices)
     t0 = time.perf_counter()
     compiled = step.build(cfg, mesh).lower().compile()
     seconds = time.perf_counter() - t0
     m = compiled.memory_analysis()
     args, temps = m.argument_size_in_bytes, m.temp_size_in_bytes
-    return {"topology": topology, "devices": len(topo.devices), "compile_s": round(seconds, 1),
+    return {"topology": topology, "devices": len(devices), "compile_s": round(seconds, 1),
             "args_gib": round(args / GIB, 2), "temps_gib": round(temps / GIB, 2),
             "total_gib": round((args + temps) / GIB, 2), "output_gib": round(m.output_size_in_bytes / GIB, 2),
             "alias_gib": round(m.alias_size_in_bytes / GIB, 2), "load1": os.getloadavg()[0]}

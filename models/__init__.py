@@ -158,17 +158,18 @@ def flat_matmuls(constrain) -> bool:
     return constrain.size("seq") == 1 and constrain.platform != "tpu"
 
 
-def dense(x, w, n_in=1, flat=True, quantization="none"):
+def dense(x, w, n_in=1, flat=True, quantization="none", row_groups=1):
     """Contracts the last `n_in` dims of x with the first `n_in` of w, as one 2D matmul: the same
     numbers as `einsum("...k,k...")`, and XLA's CPU backend runs (N, K) @ (K, M) much faster than a
     batched einsum, backward too (the simulated-device tests and demo run on CPU). `flat=False`
     keeps x's leading dims (a tensordot): when both batch and sequence are split over devices
     (context parallelism) XLA cannot merge them without gathering the sequence. `quantization`
-    (int8 / fp8) quantizes both operands forward and backward (models/quant.py)."""
+    (int8 / fp8) quantizes both operands forward and backward (models/quant.py); `row_groups`: the
+    ways x's leading (batch) dim is split over devices, which the weight gradient's groups follow."""
     lead, k = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in])
     if quantization != "none":
         x_k = x.reshape(-1, k) if flat else x.reshape(*lead, k)
-        return quant.dot(x_k, w.reshape(k, -1), quantization).reshape(*lead, *w.shape[n_in:])
+        return quant.dot(x_k, w.reshape(k, -1), quantization, row_groups).reshape(*lead, *w.shape[n_in:])
     if not flat:
         return jnp.tensordot(x, w, axes=n_in)
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
