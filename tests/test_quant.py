@@ -149,16 +149,17 @@ def test_tpu_int8_reduces_weight_gradients_in_the_compute_dtype():
 
 
 def test_sharded_int8_step_equals_one_device():
-    """The whole step on 2x2x2: the loss within 1e-5. The gradients within 1e-2: the float parts of
-    the program (the head's vocab-split softmax, reductions in another order) differ from one
-    device's by float rounding (~4e-7 for the gpt, as without quantization), and round-to-nearest
-    turns such a difference into a whole int8 step wherever a value sits at a rounding boundary
-    (~3e-3 of the gpt's gradient norms)."""
+    """The whole step on 2x2x2: the loss within 1e-5. The gradients within 1e-3 of their norm
+    (measured: median leaf 2e-7, worst 1.2e-4): the float parts of the program (the head's
+    vocab-split softmax, reductions in another order) differ from one device's by float rounding
+    (~4e-7 for the gpt, as without quantization), and round-to-nearest turns such a difference into
+    a whole int8 step wherever a value sits at a rounding boundary; and the weight gradients'
+    quantization groups follow the batch shards (one device: one group)."""
     loss1, grads1 = losses_and_grads(config.load(None, SHARDED), jax.devices()[:1])
     loss8, grads8 = losses_and_grads(config.load(None, [*SHARDED, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
     assert abs(loss8 - loss1) <= 1e-5 * abs(loss1)
     for a, b in zip(jax.tree.leaves(grads8), jax.tree.leaves(grads1)):
-        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
+        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b)
 
 
 @pytest.mark.slow  # two short training runs

@@ -128,19 +128,17 @@ def test_elastic_resume_onto_another_mesh_and_fewer_devices(straight, tmp_path):
 
 
 def test_kill9_at_random_moments_then_final_params_equal_uninterrupted(straight, tmp_path):
+    """Ten kill -9s (during start-up, in the middle of a checkpoint write, at a random moment after
+    progress) of a run that cannot finish first (train.steps far away; the schedule is fixed by
+    optimizer.decay_steps), then one run to the end: every loss and the final state equal an
+    uninterrupted run's."""
     seed = int(time.time())
     rng = random.Random(seed)
     plan = ["startup"] * 2 + ["mid-write"] * 4 + ["random"] * 4  # 10 kills, in a random order
     rng.shuffle(plan)
-    kills, modes = 0, []
-    for _ in range(40):
+    for mode in plan:
         resume_from = newest_committed(tmp_path)
-        p = start(tmp_path, "checkpoint.every_steps=1")
-        if kills == len(plan):
-            out = p.communicate(timeout=600)[0]
-            assert p.returncode == 0, out[-3000:]
-            break
-        mode = plan[kills]
+        p = start(tmp_path, "checkpoint.every_steps=1", "train.steps=100000")
         if mode == "startup":  # during imports, compilation or restore
             time.sleep(rng.uniform(0.0, 4.0))
         elif wait_for(lambda: (newest_committed(tmp_path) or 0) > (resume_from or 0), p):  # made progress  # noqa: B023
@@ -151,14 +149,16 @@ def test_kill9_at_random_moments_then_final_params_equal_uninterrupted(straight,
                 time.sleep(rng.uniform(0.0, 0.3))
         p.kill()
         out = p.communicate()[0]
-        if p.returncode == 0:
-            break  # finished before the kill landed
-        kills += 1
-        modes.append(mode)
+        assert p.returncode == -signal.SIGKILL, f"seed {seed}, {mode}: " + out[-3000:]  # alive until the kill
         assert "is unusable" not in out, out[-3000:]
         if resume_from is not None and "ready in" in out:
             assert f"resuming from checkpoint step {resume_from} " in out, out[-3000:]
-    assert kills == len(plan), f"only {kills} kills before the run finished (seed {seed}, modes {modes})"
-    assert losses(tmp_path) == losses(straight)
-    for a, b in zip(saved(tmp_path, STEPS)[0], saved(straight, STEPS)[0], strict=True):
+    end = max(STEPS, (newest_committed(tmp_path) or 0) + 1)
+    train(tmp_path, "checkpoint.every_steps=1", f"train.steps={end}")
+    reference = straight
+    if end > STEPS:  # a slow poll let the killed runs go past the usual end: compare as far as they went
+        reference = tmp_path.parent / f"{tmp_path.name}-straight"
+        train(reference, f"train.steps={end}", "checkpoint.every_steps=1")
+    assert losses(tmp_path) == losses(reference), f"seed {seed}"
+    for a, b in zip(saved(tmp_path, end)[0], saved(reference, end)[0], strict=True):
         np.testing.assert_array_equal(a, b)

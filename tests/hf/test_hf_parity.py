@@ -30,7 +30,10 @@ def test_logits_equal_transformers_on_2x2x2_mesh_and_one_device(family):
     tolerance = 5e-4 if family in MOE_FAMILIES else 1e-4
     assert np.abs(sharded - want).max() < tolerance
     assert np.abs(single - want).max() < tolerance
-    assert np.abs(sharded - single).max() < 1e-5 * np.abs(want).max()  # logits up to ~8: reduction order
+    # logits up to ~8, summed in another order on 8 devices; an MoE sums its experts' outputs on other
+    # devices too (Mixtral measured 1.02e-5 of the largest logit on this machine)
+    relative = 3e-5 if family in MOE_FAMILIES else 1e-5
+    assert np.abs(sharded - single).max() < relative * np.abs(want).max()
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "olmo2", "gemma2", "gemma3",
