@@ -86,6 +86,23 @@ def test_collectives_are_counted_per_run_and_attributed_to_the_axes_their_groups
     assert hlo.conditional_branches(MODULE) == {"on", "off", "add"}  # and what the branches call
 
 
+def test_a_ragged_all_to_all_counts_its_output_buffer():
+    """Its sizes are run-time values: the output buffer is the most it can move (MaxText's MoE
+    dispatch is one)."""
+    text = """HloModule r
+
+ENTRY %main (x: bf16[64,128], o: bf16[256,128], s: s32[4]) -> bf16[256,128] {
+  %x = bf16[64,128] parameter(0)
+  %o = bf16[256,128] parameter(1)
+  %s = s32[4] parameter(2)
+  ROOT %r = bf16[256,128] ragged-all-to-all(%x, %o, %s, %s, %s, %s), channel_id=1, replica_groups={{0,1,2,3}}
+}
+"""
+    [c] = hlo.collectives(text, {"expert": 4})
+    assert (c.kind, c.bytes, c.traffic_bytes, c.axes, c.dtypes) == ("ragged-all-to-all", 256 * 128 * 2,
+                                                                    256 * 128 * 2 * 3 / 4, ("expert",), ("bf16",))
+
+
 def test_loop_iterations_that_cost_analysis_skips_are_added():
     def rolled(w, x):
         return jax.lax.fori_loop(0, 10, lambda i, x: jax.numpy.tanh(x @ w), x)

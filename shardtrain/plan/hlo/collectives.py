@@ -14,7 +14,9 @@ axes its device groups span. Byte conventions, per device and per execution:
 
   bytes          the size of the (full, unsharded) array the collective works on: the reduced
                  array of an all-reduce, the gathered result of an all-gather, the input of a
-                 reduce-scatter, the buffer sent by a collective-permute, the array of an all-to-all.
+                 reduce-scatter, the buffer sent by a collective-permute, the array of an all-to-all;
+                 for a ragged all-to-all (whose sizes are known only at run time) its output buffer,
+                 an upper bound on what it moves.
   traffic_bytes  what a bandwidth-optimal ring moves in and out of each device: 2(n-1)/n x bytes
                  for an all-reduce, (n-1)/n x bytes for all-gather, reduce-scatter and all-to-all,
                  1 x bytes for a collective-permute (n = devices in the group).
@@ -46,7 +48,7 @@ from shardtrain.plan.hlo.parse import (
 )
 
 _CHANNEL = re.compile(r"channel_id=(\d+)")
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all")
 
 
 @dataclasses.dataclass
