@@ -155,6 +155,59 @@ def test_roofline_adds_communication_to_the_larger_of_compute_and_memory():
     assert across_hosts["step_time_s"] == pytest.approx(4.8) and across_hosts["bottleneck"] == "memory"
 
 
+def test_each_loop_iterations_collectives_hide_behind_its_own_compute():
+    """A layer loop of 4 iterations, each a 2 x 512^3 FLOP matmul and an all-gather over 8 devices,
+    and one all-reduce after it: the overlapped step hides min(gather, matmul) per iteration, the
+    all-reduce outside the loop stays added, and the serial bound is unchanged."""
+    text = """HloModule layers
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (p: (s32[], f32[512,512], f32[64,512])) -> (s32[], f32[512,512], f32[64,512]) {
+  %p = (s32[], f32[512,512], f32[64,512]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[512,512] get-tuple-element(%p), index=1
+  %w = f32[64,512] get-tuple-element(%p), index=2
+  %one = s32[] constant(1)
+  %next = s32[] add(s32[] %i, s32[] %one)
+  %g = f32[512,512] all-gather(f32[64,512] %w), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %y = f32[512,512] dot(f32[512,512] %x, f32[512,512] %g), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[512,512], f32[64,512]) tuple(s32[] %next, f32[512,512] %y, f32[64,512] %w)
+}
+
+%cond (p: (s32[], f32[512,512], f32[64,512])) -> pred[] {
+  %p = (s32[], f32[512,512], f32[64,512]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+
+ENTRY %main (x: f32[512,512], w: f32[64,512]) -> f32[512,512] {
+  %x = f32[512,512] parameter(0)
+  %w = f32[64,512] parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[512,512], f32[64,512]) tuple(s32[] %zero, f32[512,512] %x, f32[64,512] %w)
+  %loop = (s32[], f32[512,512], f32[64,512]) while(%init), condition=%cond, body=%body
+  %y = f32[512,512] get-tuple-element(%loop), index=1
+  ROOT %r = f32[512,512] all-reduce(f32[512,512] %y), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+}
+"""
+    colls = hlo.collectives(text, {"fsdp": 8})
+    [body] = hlo.loop_bodies(text).values()
+    assert body.runs == 4 and body.flops == 2 * 512 ** 3 + 1  # the matmul and the counter's add
+    matmul_s, gather_s = body.flops / 1e12, 2 ** 20 * 7 / 8 / 1e9  # at 1 TFLOP/s and 1 GB/s
+    reduce_s = 2 ** 20 * 2 * 7 / 8 / 1e9
+    chip = chips.Chip("toy", 1e12, 1e12, 1e15, 1e9, 1e9)
+    e = planner.estimate(4 * body.flops, 0.0, colls, chip, set(), 4 * body.flops, 1, {}, hlo.loop_bodies(text))
+    assert e["step_time_s"] == pytest.approx(4 * matmul_s + 4 * gather_s + reduce_s)
+    assert e["comm_hidden_s"] == pytest.approx(4 * min(matmul_s, gather_s))
+    assert e["step_time_overlapped_s"] == pytest.approx(4 * max(matmul_s, gather_s) + reduce_s)
+
+
 def test_unusable_device_count_is_a_config_error_naming_the_search():
     cfg = small_cfg("mlp", (2, 2, 2))
     with pytest.raises(config.ConfigError, match="needs 8 devices but 4 are present.*--search --devices 4"):

@@ -29,10 +29,10 @@ from shardtrain.plan.hlo.collectives import (
                                              summarize,
                                              traffic_by_axes,
 )
-from shardtrain.plan.hlo.cost import loop_repeats_cost, matmul_flops_by_dtype, program_cost
+from shardtrain.plan.hlo.cost import LoopBody, loop_bodies, loop_repeats_cost, matmul_flops_by_dtype, program_cost
 from shardtrain.plan.hlo.parse import DTYPE_BYTES, Instr, Module, arrays, loop_trip_counts, multipliers, parse_module
 
-__all__ = ["DTYPE_BYTES", "KINDS", "Collective", "Instr", "Module", "arrays", "collectives", "conditional_branches",
-           "dcn_reductions", "device_groups", "group_axes", "loop_repeats_cost", "loop_trip_counts",
-           "lowered_collectives", "matmul_flops_by_dtype", "multipliers", "parse_module", "program_cost",
-           "ring_factor", "summarize", "traffic_by_axes"]
+__all__ = ["DTYPE_BYTES", "KINDS", "Collective", "Instr", "LoopBody", "Module", "arrays", "collectives",
+           "conditional_branches", "dcn_reductions", "device_groups", "group_axes", "loop_bodies", "loop_repeats_cost",
+           "loop_trip_counts", "lowered_collectives", "matmul_flops_by_dtype", "multipliers", "parse_module",
+           "program_cost", "ring_factor", "summarize", "traffic_by_axes"]

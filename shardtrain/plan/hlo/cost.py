@@ -21,8 +21,19 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 
-from shardtrain.plan.hlo.parse import Instr, Module, as_module, dims, fusion_callee, multipliers, root, size
+from shardtrain.plan.hlo.parse import (
+    Instr,
+    Module,
+    as_module,
+    callees,
+    dims,
+    fusion_callee,
+    multipliers,
+    root,
+    size,
+)
 
 _NO_MEMORY = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
               "after-all", "partition-id", "replica-id"}
@@ -60,6 +71,41 @@ def program_cost(program: str | Module) -> tuple[float, float]:
             f, b = _own_cost(comp, module, name in fused)
             flops, nbytes = flops + runs[name] * f, nbytes + runs[name] * b
     return flops, nbytes
+
+
+@dataclass
+class LoopBody:
+    """One iteration of a while loop's body, outside the loops nested in it: what its collectives
+    can overlap with."""
+    runs: int
+    """Iterations per step (enclosing loops' trips included)."""
+    flops: float
+    bytes: float
+    computations: set[str]
+    """The body and the computations it calls, nested loops excluded."""
+
+
+def loop_bodies(program: str | Module) -> dict[str, LoopBody]:
+    """Every while loop body of the program (its text or the parsed Module) that runs, by name."""
+    module = as_module(program)
+    runs = multipliers(module)
+    fused = {fusion_callee(ins) for comp in module.computations.values() for ins in comp if ins.opcode == "fusion"}
+    bodies = {callee for comp in module.computations.values() for ins in comp if ins.opcode == "while"
+              for key, callee in callees(ins) if key == "body"}
+    out = {}
+    for body in bodies:
+        if not runs[body]:
+            continue
+        members, stack = set(), [body]
+        while stack:
+            name = stack.pop()
+            if name in members or name not in module.computations:
+                continue
+            members.add(name)
+            stack += [c for ins in module.computations[name] if ins.opcode != "while" for _, c in callees(ins)]
+        costs = [_own_cost(module.computations[c], module, c in fused) for c in members]
+        out[body] = LoopBody(runs[body], sum(f for f, _ in costs), sum(b for _, b in costs), members)
+    return out
 
 
 def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, float]:
