@@ -353,16 +353,19 @@ class Gpt(nnx.Module):
             x_btd = x_btd * jnp.asarray(self.embed_scale, x_btd.dtype)
         return self.constrain(x_btd, BTD)
 
+    def _stored_unembedding(self):
+        """The unembedding (D, V) as stored: its own weight, or the tied embedding transposed."""
+        return self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
+
     def unembedding(self):
         """The unembedding (D, V), whole along d_model: FSDP's gather of it done once, e.g. before a
         chunked loss applies `head` chunk after chunk (else each chunk gathers it again)."""
-        unembed_dv = self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
-        return self.constrain(unembed_dv, (None, "vocab"))
+        return self.constrain(self._stored_unembedding(), (None, "vocab"))
 
     def head(self, x_btd, unembed_dv=None):
         """Logits (B, T, V); `unembed_dv` as `unembedding` returns it, default the parameter as stored."""
         if unembed_dv is None:
-            unembed_dv = self.unembed_dv[...] if hasattr(self, "unembed_dv") else self.embedding_vd[...].T
+            unembed_dv = self._stored_unembedding()
         h_btd = rms_norm(x_btd, self.final_norm[...], self.eps, plus_one=self.plus_one)
         logits_btv = softcap(dense(h_btd, unembed_dv, flat=flat_matmuls(self.constrain)), self.final_softcap)
         return self.constrain(logits_btv, BTV)

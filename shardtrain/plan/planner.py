@@ -127,14 +127,15 @@ def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], ch
     program_s, model_s = compute_seconds(flops_dev, model_flops_step / n_devices, flops_by_dtype or {}, chip)
     compute_s = max(program_s, model_s)
     memory_s = bytes_dev / chip.hbm_bandwidth
-    link = {id(c): chip.dcn_bandwidth if dcn_axes.intersection(c.axes) else chip.ici_bandwidth for c in colls}
-    comm_s = sum(c.traffic_bytes * c.count / link[id(c)] for c in colls)
+    def seconds(c: hlo.Collective) -> float:  # all its runs, on the link its axes cross
+        return c.traffic_bytes * c.count / (chip.dcn_bandwidth if dcn_axes.intersection(c.axes) else chip.ici_bandwidth)
+
+    comm_s = sum(seconds(c) for c in colls)
     step_s = max(compute_s, memory_s) + comm_s
     seconds_per_flop = program_s / flops_dev if flops_dev else 1 / chip.peak_flops
     hidden_s = 0.0
     for body in (loops or {}).values():
-        comm = sum(c.traffic_bytes * c.count / body.runs / link[id(c)] for c in colls
-                   if c.computation in body.computations)
+        comm = sum(seconds(c) for c in colls if c.computation in body.computations) / body.runs
         hidden_s += body.runs * min(comm, max(body.flops * seconds_per_flop, body.bytes / chip.hbm_bandwidth))
     parts = {"compute": compute_s, "memory": memory_s, "communication": comm_s}
     hidden_s = min(hidden_s, comm_s)

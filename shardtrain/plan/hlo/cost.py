@@ -49,7 +49,7 @@ def loop_repeats_cost(program: str | Module) -> tuple[float, float]:
     loops' trip counts give it."""
     module = as_module(program)
     with_trips, once = multipliers(module), multipliers(module, trips=False)
-    fused = {fusion_callee(ins) for comp in module.computations.values() for ins in comp if ins.opcode == "fusion"}
+    fused = _fused(module)
     flops = nbytes = 0.0
     for name, comp in module.computations.items():
         extra = with_trips[name] - once[name]
@@ -64,7 +64,7 @@ def program_cost(program: str | Module) -> tuple[float, float]:
     its callers and loops give it."""
     module = as_module(program)
     runs = multipliers(module)
-    fused = {fusion_callee(ins) for comp in module.computations.values() for ins in comp if ins.opcode == "fusion"}
+    fused = _fused(module)
     flops = nbytes = 0.0
     for name, comp in module.computations.items():
         if runs[name] > 0:
@@ -89,7 +89,7 @@ def loop_bodies(program: str | Module) -> dict[str, LoopBody]:
     """Every while loop body of the program (its text or the parsed Module) that runs, by name."""
     module = as_module(program)
     runs = multipliers(module)
-    fused = {fusion_callee(ins) for comp in module.computations.values() for ins in comp if ins.opcode == "fusion"}
+    fused = _fused(module)
     bodies = {callee for comp in module.computations.values() for ins in comp if ins.opcode == "while"
               for key, callee in callees(ins) if key == "body"}
     out = {}
@@ -106,6 +106,11 @@ def loop_bodies(program: str | Module) -> dict[str, LoopBody]:
         costs = [_own_cost(module.computations[c], module, c in fused) for c in members]
         out[body] = LoopBody(runs[body], sum(f for f, _ in costs), sum(b for _, b in costs), members)
     return out
+
+
+def _fused(module: Module) -> set[str]:
+    """The computations that fusion instructions call (they work in registers: no memory traffic)."""
+    return {fusion_callee(ins) for comp in module.computations.values() for ins in comp if ins.opcode == "fusion"}
 
 
 def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, float]:
