@@ -2,13 +2,14 @@
 
 The plain loss materialises fp32 logits B x T x V (and their gradient): for Llama-3's 128k
 vocabulary at 4 x 8192 tokens per chip that is 16.8 GB. `weighted_cross_entropy_sum` applies the
-model's head to C positions at a time inside a `lax.scan` whose body is rematerialised, so the
-forward keeps only each chunk's loss sum and the backward recomputes one chunk's logits at a time:
-at most B x C x V logits exist at once. Same loss and gradients as the plain one.
+model's head to C positions at a time inside a `lax.scan` that computes each chunk's gradients
+as it goes: at most B x C x V logits exist at once, and none is computed twice. Same loss and
+gradients as the plain one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -31,6 +32,11 @@ def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, ch
     """`(cross_entropy(head(x_btd), targets_bt) * weights_bt).sum()` computed `chunk` positions at a
     time (0 or >= T: one chunk, the plain loss). `head` maps x_bcd -> logits_bcv for any length c.
 
+    Chunked, the forward pass also computes each chunk's gradients (the loss is the end of the
+    program, so the gradient of its logits is known there): it keeps the gradient with respect to
+    x_btd and the sum over chunks of the gradients with respect to what `head` closes over (e.g.
+    the unembedding), and the backward pass only scales them. No chunk's logits are computed twice.
+
     With the sequence split over `seq_shards` devices (context parallelism: device s holds positions
     s T/S .. (s+1) T/S - 1), each chunk takes `chunk` positions from every device's part alike, so no
     chunk crosses devices (the sum does not depend on the order) and each device computes B x chunk
@@ -44,11 +50,37 @@ def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, ch
         a = a.reshape(b, seq_shards, n, chunk, *a.shape[2:])
         return jnp.moveaxis(a, 2, 0).reshape(n, b, seq_shards * chunk, *a.shape[4:])
 
-    @jax.checkpoint  # the backward pass recomputes this chunk's logits instead of saving them
-    def chunk_sum(x_bcd, y_bc, w_bc):
-        return (cross_entropy(head(x_bcd), y_bc) * w_bc).sum()
+    x_nbcd = split(x_btd)
+    head_with_params, params = jax.closure_convert(head, x_nbcd[0])  # its parameters become arguments
+    return _chunked_sum(head_with_params, x_nbcd, split(targets_bt), split(weights_bt), *params)
 
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_sum(head, x_nbcd, y_nbc, w_nbc, *params):
     def body(total, xyw):
-        return total + chunk_sum(*xyw), None
+        x_bcd, y_bc, w_bc = xyw
+        return total + (cross_entropy(head(x_bcd, *params), y_bc) * w_bc).sum(), None
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (x_nbcd, y_nbc, w_nbc))[0]
 
-    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_btd), split(targets_bt), split(weights_bt)))[0]
+
+def _chunked_sum_fwd(head, x_nbcd, y_nbc, w_nbc, *params):
+    def chunk_sum(x_bcd, params, y_bc, w_bc):
+        return (cross_entropy(head(x_bcd, *params), y_bc) * w_bc).sum()
+
+    def body(carry, xyw):
+        total, dparams = carry
+        value, (dx_bcd, dchunk) = jax.value_and_grad(chunk_sum, argnums=(0, 1))(*xyw[:1], params, *xyw[1:])
+        return (total + value, jax.tree.map(jnp.add, dparams, dchunk)), dx_bcd
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (total, dparams), dx_nbcd = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (x_nbcd, y_nbc, w_nbc))
+    return total, (dx_nbcd, dparams)
+
+
+def _chunked_sum_bwd(head, saved, g):
+    dx_nbcd, dparams = saved
+    scale = lambda d: (d * g).astype(d.dtype)  # noqa: E731
+    return (scale(dx_nbcd), None, None, *map(scale, dparams))
+
+
+_chunked_sum.defvjp(_chunked_sum_fwd, _chunked_sum_bwd)

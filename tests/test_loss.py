@@ -1,6 +1,7 @@
 """Chunked cross-entropy equals the plain one (loss and gradients), also sharded."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,6 +32,27 @@ def test_chunked_equals_plain_loss_and_grads():
     for a, b in zip(gc, gp):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
     assert loss.weighted_cross_entropy_sum(lambda xc: xc @ w, x, y, weights, chunk=0) / weights.sum() == plain(x, w)
+    np.testing.assert_allclose(jax.jit(chunked)(x, w), lp, rtol=1e-6)  # the forward alone (evaluation)
+
+
+def test_chunked_loss_computes_each_chunks_logits_once():
+    """The gradient's program has three vocabulary-sized matmuls per chunk (logits, their gradient
+    with respect to x and to the head), as the plain loss's: no chunk's logits are recomputed."""
+    x, w, y = setup(v=50)
+
+    def vocab_dots(jaxpr):
+        n = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and 50 in (eqn.outvars[0].aval.shape + eqn.invars[0].aval.shape
+                                                              + eqn.invars[1].aval.shape):
+                n += 1
+            subs = jax.extend.core.jaxprs_in_params(eqn.params)
+            n += sum(vocab_dots(sub.jaxpr if hasattr(sub, "jaxpr") else sub) for sub in subs)
+        return n
+
+    def f(chunk):
+        return lambda x, w: loss.weighted_cross_entropy_sum(lambda xc: xc @ w, x, y, jnp.ones(y.shape), chunk)
+    assert [vocab_dots(jax.make_jaxpr(jax.grad(f(c), argnums=(0, 1)))(x, w).jaxpr) for c in (0, 16)] == [3, 3]
 
 
 @pytest.mark.parametrize("axes", [dict(data=2, fsdp=2, tensor=2), dict(data=2, context=2, tensor=2)])
