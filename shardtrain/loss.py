@@ -55,21 +55,24 @@ def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, ch
     return _chunked_sum(head_with_params, x_nbcd, split(targets_bt), split(weights_bt), *params)
 
 
+def _chunk_sum(head, x_bcd, params, y_bc, w_bc):
+    """One chunk's weighted loss sum, `head` taking its parameters as arguments."""
+    return (cross_entropy(head(x_bcd, *params), y_bc) * w_bc).sum()
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked_sum(head, x_nbcd, y_nbc, w_nbc, *params):
     def body(total, xyw):
         x_bcd, y_bc, w_bc = xyw
-        return total + (cross_entropy(head(x_bcd, *params), y_bc) * w_bc).sum(), None
+        return total + _chunk_sum(head, x_bcd, params, y_bc, w_bc), None
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (x_nbcd, y_nbc, w_nbc))[0]
 
 
 def _chunked_sum_fwd(head, x_nbcd, y_nbc, w_nbc, *params):
-    def chunk_sum(x_bcd, params, y_bc, w_bc):
-        return (cross_entropy(head(x_bcd, *params), y_bc) * w_bc).sum()
-
     def body(carry, xyw):
         total, dparams = carry
-        value, (dx_bcd, dchunk) = jax.value_and_grad(chunk_sum, argnums=(0, 1))(*xyw[:1], params, *xyw[1:])
+        x_bcd, y_bc, w_bc = xyw
+        value, (dx_bcd, dchunk) = jax.value_and_grad(_chunk_sum, argnums=(1, 2))(head, x_bcd, params, y_bc, w_bc)
         return (total + value, jax.tree.map(jnp.add, dparams, dchunk)), dx_bcd
 
     zeros = jax.tree.map(jnp.zeros_like, params)
