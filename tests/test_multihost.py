@@ -178,7 +178,7 @@ def test_killed_process_stops_the_others_and_the_launcher_names_it(tmp_path):
     assert "killing them" not in out
     assert (re.search(r"local.sh: process 0 \(pid \d+\) exited with 69 \(lost contact", out)
             and "shardtrain[process 0/2]: error: a collective with another process failed" in out) or \
-        ("aborted (SIGABRT, exit 134" in out and "stopped sending heartbeats" in out), out[-3000:]
+        ("aborted (SIGABRT, exit 134" in out and "stops sending heartbeats" in out), out[-3000:]
 
 
 def test_errors_are_logged_with_the_process_index(tmp_path):
@@ -188,7 +188,8 @@ def test_errors_are_logged_with_the_process_index(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     for i in range(2):
         assert f"shardtrain[process {i}/2]: error: mesh (data=4" in r.stderr
-        assert re.search(rf"local.sh: process {i} \(pid \d+\) exited with 2", r.stderr)
+        # after reporting it, a process whose peer exited first may be aborted by JAX's heartbeat (134)
+        assert re.search(rf"local.sh: process {i} \(pid \d+\) (exited with 2|aborted \(SIGABRT, exit 134)", r.stderr)
     assert "needs 16 devices but 8 are present" in r.stderr
 
 
