@@ -188,8 +188,7 @@ def test_errors_are_logged_with_the_process_index(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     for i in range(2):
         assert f"shardtrain[process {i}/2]: error: mesh (data=4" in r.stderr
-        # after reporting it, a process whose peer exited first may be aborted by JAX's heartbeat (134)
-        assert re.search(rf"local.sh: process {i} \(pid \d+\) (exited with 2|aborted \(SIGABRT, exit 134)", r.stderr)
+        assert re.search(rf"local.sh: process {i} \(pid \d+\) exited with 2", r.stderr)
     assert "needs 16 devices but 8 are present" in r.stderr
 
 
