@@ -26,6 +26,7 @@ import dataclasses
 import os
 import re
 import sys
+import time
 import traceback
 from collections.abc import Mapping
 
@@ -34,6 +35,8 @@ from shardtrain.config import ConfigError
 EXIT_PEER_LOST = 69
 """Exit code of a process that stopped because another process of the run died (EX_UNAVAILABLE)."""
 EXIT_ERROR = 1
+COORDINATOR_LINGER_S = 2.0
+"""After an error barrier, how long process 0 (the coordination service's host) outlives its peers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +138,7 @@ class Cluster:
         a failed collective most likely means another process died (EXIT_PEER_LOST)."""
         if isinstance(error, ConfigError):
             print(f"{self.tag}: error: {error}", file=sys.stderr, flush=True)
-            self.leave_after_error(2, wait_for_peers_s=10)
+            self.leave_after_error(2, wait_for_peers_s=30)
         text = "".join(traceback.format_exception(error))
         kind = type(error).__name__
         if kind == "JaxRuntimeError" and any(s in str(error) for s in PEER_FAILURE_SIGNS):
@@ -162,6 +165,9 @@ class Cluster:
                 ocp.multihost.get_barrier_sync_fn()(key="shardtrain_error", timeout_ms=int(wait_for_peers_s * 1000))
             except Exception:  # a peer did not come (another state, or dead): leave anyway
                 pass
+            else:
+                if self.process_index == 0:  # hosts the coordination service: a peer released by the same
+                    time.sleep(COORDINATOR_LINGER_S)  # barrier that still sees it go aborts (exit 134)
         os._exit(code)
 
 
