@@ -207,7 +207,7 @@ def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
     """The compiled program's memory per chip and MFU, memoized in tests/golden/compiled_fits.json
     under the sha256 of its lowered text, the compilers' versions and the XLA / libtpu flags: the
     same key compiles to the same figures, so only a config whose program changed pays the compile
-    (minutes on CI's 2 cores); SHARDTRAIN_RECORD_FITS=1 (with -n0) records what it compiled."""
+    (minutes on CI's 2 cores); UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
     lowered = prog.lower()
     versions = [f"{m}={importlib.metadata.version(m)}" for m in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin")]
     flags = [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]
@@ -218,7 +218,7 @@ def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
     r = planner.report(prog, planner.compile_fast(lowered, prog.mesh.devices.flat[0].platform), chip, 0.0)
     figures = {"key": key, "compiler": r["compiler"], "total": r["memory_per_device_bytes"]["total"],
                "mfu": r["estimate"]["mfu"]}
-    if os.environ.get("SHARDTRAIN_RECORD_FITS") == "1":
+    if os.environ.get("UPDATE_GOLDEN") == "1":
         COMPILED_FITS.write_text(json.dumps({**records, path: figures}, indent=1, sort_keys=True) + "\n")
     return figures
 
