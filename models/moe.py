@@ -18,19 +18,20 @@ Both are computed over the whole global batch (outside the per-shard code), so e
 the same loss.
 
 Dispatch, on each device's own tokens (`constrain.shard_map`, manual over every mesh axis):
-sort the A assignments by expert, so those bound for each expert shard are contiguous; scatter
-them into a (P, S, D) send buffer, one block of S rows per destination shard; all-to-all over
-`experts`; on arrival sort the P S rows by local expert and run the SwiGLU as three grouped
-matmuls (`ragged_dot`; padding rows sort last, outside every group); undo the sort, all-to-all
+sort the A assignments by expert, so those bound for each expert shard are contiguous, and send
+each shard exactly its rows with one ragged all-to-all over `experts` (`jax.lax.ragged_all_to_all`;
+the row counts go first, by a small all-to-all). Arrivals lie packed by sender, then local expert:
+sort them by local expert and run the SwiGLU as three grouped matmuls (`ragged_dot`; the
+receive buffer's unused rows sort last, outside every group); undo the sort, ragged all-to-all
 back, weight and sum each token's k results. Nothing of size tokens x experts x capacity exists.
 Every row move is a gather or scatter of distinct rows (`gather_rows`, `scatter_rows`), each the
 other's gradient, so the backward pass builds no scatter-add.
-Dropless: S = N min(El, k) (a token's k experts are distinct, so at most min(El, k) of its
-assignments go to one shard): the buffers are P min(El, k) / k times what balanced routing needs,
-the price of static shapes.
-With `capacity_factor` c each expert takes at most C = ceil(c A / E) assignments from each
-device (the rest are dropped, in token order) and S = El C. Without a mesh (or with one expert
-shard) the same code runs without the all-to-all.
+Dropless: the receive buffer holds P N min(El, k) rows (a token's k experts are distinct, so at
+most min(El, k) of its assignments go to one shard), the price of static shapes; only the routed
+rows travel. With `capacity_factor` c each expert takes at most C = ceil(c A / E) assignments from
+each device (the rest are dropped, in token order) and the buffer holds P min(A, El C) rows.
+Without a mesh (or with one expert shard) the same code runs on one device; XLA:CPU, which has no
+ragged all-to-all, gets a dense all-to-all of blocks with the same result (`Shard.ragged_all_to_all`).
 
 Tensor parallelism inside: each device holds its experts' F / tensor hidden units, so expert
 outputs are partial sums, psum'd over `mlp` once per token at the end. FSDP: the per-device
@@ -159,6 +160,10 @@ def capacity(cfg, assignments: int) -> int | None:
     return max(1, math.ceil(cfg.moe.capacity_factor * assignments / cfg.moe.n_experts))
 
 
+def exclusive_cumsum(x):
+    return jnp.cumsum(x) - x
+
+
 def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, *, cfg,
                   quantization="none"):
     """One device's tokens through their experts (see the module docstring), the grouped matmuls
@@ -169,41 +174,42 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
     w_up_edf = shard.all_gather(w_up_edf, "expert_embed", axis=1)
     w_down_efd = shard.all_gather(w_down_efd, "expert_embed", axis=2)
     p, el = shard.size("experts"), w_gate_edf.shape[0]
-    e = p * el
-    x_nd = x_btd.reshape(b * t, d)
-    a = b * t * k
+    e, n = p * el, b * t
+    a = n * k
     expert_a = top_i_btk.reshape(a)
-    order_a = jnp.argsort(expert_a, stable=True)  # assignment order: by expert, then token
-    expert_s = expert_a[order_a]
     count_e = jnp.zeros((e,), jnp.int32).at[expert_a].add(1)
-    rank_s = jnp.arange(a) - (jnp.cumsum(count_e) - count_e)[expert_s]  # position in its expert
     cap = capacity(cfg, a)
-    kept_e = count_e if cap is None else jnp.minimum(count_e, cap)
-    keep_s = rank_s < (a if cap is None else cap)
-    rows = b * t * min(el, k) if cap is None else min(a, el * cap)  # S
-    # slot of an assignment in the (P S) send rows: its shard's block, then the kept rows of the
-    # shard's earlier experts, then its rank; dropped assignments get distinct slots past the end
-    kept_pl = kept_e.reshape(p, el)
-    offset_e = (jnp.cumsum(kept_pl, axis=1) - kept_pl).reshape(e)
-    slot_s = jnp.where(keep_s, expert_s // el * rows + offset_e[expert_s] + rank_s, p * rows + jnp.arange(a))
-    x_sd = gather_rows(jnp.repeat(x_nd, k, axis=0), order_a)  # each assignment's token
-    send_psd = scatter_rows(x_sd, slot_s, p * rows).reshape(p, rows, d)
-    send_ps = jnp.full((p * rows,), el, jnp.int32).at[slot_s].set(expert_s % el, mode="drop", unique_indices=True)
-    recv_psd = shard.all_to_all(send_psd, "experts")
-    recv_ps = shard.all_to_all(send_ps.reshape(p, rows), "experts")
-    # grouped SwiGLU over the local experts; padding (id el) sorts last, outside every group
-    local_r = recv_ps.reshape(p * rows)
+    if cap is None:
+        kept_e, sort_a = count_e, expert_a
+    else:  # an expert keeps its first `cap` assignments in token order; the dropped ones sort last
+        by_expert_a = jnp.argsort(expert_a, stable=True)
+        rank_a = jnp.zeros((a,), jnp.int32).at[by_expert_a].set(
+            jnp.arange(a) - exclusive_cumsum(count_e)[expert_a[by_expert_a]], unique_indices=True)
+        kept_e, sort_a = jnp.minimum(count_e, cap), jnp.where(rank_a < cap, expert_a, e)
+    order_a = jnp.argsort(sort_a, stable=True)  # sent rows: by expert (so by shard), then token
+    # rows this device sends each shard, and receives from each, per local expert
+    recv_pl = shard.all_to_all(kept_e.reshape(p, el), "experts")
+    send_p, recv_p = kept_e.reshape(p, el).sum(1), recv_pl.sum(1)
+    send_at_p, recv_at_p = exclusive_cumsum(send_p), exclusive_cumsum(recv_p)
+    rows = p * (n * min(el, k) if cap is None else min(a, el * cap))  # the most one device can receive
+    x_ad = gather_rows(jnp.repeat(x_btd.reshape(n, d), k, axis=0), order_a)
+    recv_rd = shard.ragged_all_to_all(x_ad, jnp.zeros((rows, d), x_ad.dtype), send_at_p, send_p,
+                                      shard.all_to_all(recv_at_p, "experts"), recv_p, "experts")
+    # arrivals: by sender, then local expert; grouped SwiGLU over the local experts, padding last
+    ends = jnp.cumsum(recv_pl.reshape(-1))
+    local_r = jnp.searchsorted(ends, jnp.arange(rows), side="right", method="compare_all")
+    local_r = jnp.where(local_r < p * el, local_r % el, el)
     order_r = jnp.argsort(local_r, stable=True)
     group_l = jnp.zeros((el + 1,), jnp.int32).at[local_r].add(1)[:el]
-    x_rd = gather_rows(recv_psd.reshape(p * rows, d), order_r)
+    x_rd = gather_rows(recv_rd, order_r)
     q = quantization
     gate_rf, up_rf = grouped(x_rd, w_gate_edf, group_l, q), grouped(x_rd, w_up_edf, group_l, q)
     y_rd = grouped(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l, q)
-    y_rd = jnp.where((jnp.arange(p * rows) < group_l.sum())[:, None], y_rd, 0)
-    back_psd = shard.all_to_all(scatter_rows(y_rd, order_r, p * rows).reshape(p, rows, d), "experts")
-    y_sd = gather_rows(back_psd.reshape(p * rows, d), slot_s)  # dropped assignments: zero
-    y_nkd = scatter_rows(y_sd, order_a, a).reshape(b * t, k, d)
-    out_nd = jnp.einsum("nkd,nk->nd", y_nkd.astype(jnp.float32), weight_btk.reshape(b * t, k).astype(jnp.float32))
+    y_rd = jnp.where((jnp.arange(rows) < group_l.sum())[:, None], y_rd, 0)
+    y_ad = shard.ragged_all_to_all(scatter_rows(y_rd, order_r, rows), jnp.zeros((a, d), y_rd.dtype), recv_at_p,
+                                   recv_p, shard.all_to_all(send_at_p, "experts"), send_p, "experts")
+    y_nkd = scatter_rows(y_ad, order_a, a).reshape(n, k, d)  # dropped assignments: zero
+    out_nd = jnp.einsum("nkd,nk->nd", y_nkd.astype(jnp.float32), weight_btk.reshape(n, k).astype(jnp.float32))
     return shard.psum(out_nd, "mlp").astype(x_btd.dtype).reshape(b, t, d)
 
 

@@ -192,7 +192,7 @@ class Constrain:
         free = frozenset(a for a in self.mesh.axis_names if a not in current.manual_axes)
         axes = {n: self._split_axes(n) for n in LOGICAL_AXES}
         shard = Shard({n: a for n, a in axes.items() if a and set(a) <= free},
-                      {a: int(self.mesh.shape[a]) for a in free})
+                      {a: int(self.mesh.shape[a]) for a in free}, self.platform)
 
         def spec(names, what):
             return spec_for(names, self.rules, self.mesh, what=f"{what} {tuple(names)}")
@@ -214,6 +214,8 @@ class Shard:
     """logical name -> its mesh axes (size > 1, manual here); absent names are not split."""
     sizes: dict
     """manual mesh axis -> size."""
+    platform: str | None = None
+    """the devices' platform (`Constrain.platform`): which backends' compilers have ragged-all-to-all."""
 
     def size(self, name: str) -> int:
         return math.prod(self.sizes[a] for a in self.axes.get(name, ()))
@@ -239,6 +241,17 @@ class Shard:
         the result came from device i."""
         axes = self.axes.get(name, ())
         return jax.lax.all_to_all(x, axes, axis, axis, tiled=True) if axes else x
+
+    def ragged_all_to_all(self, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, name: str):
+        """`jax.lax.ragged_all_to_all` over logical axis `name`: send_sizes[j] rows of `operand` from
+        input_offsets[j] to device j, written there at output_offsets[j]; recv_sizes[i] rows arrive
+        from device i. XLA:CPU has no ragged-all-to-all: there it is a dense all-to-all of blocks
+        (`models.ragged_all_to_all_by_blocks`, the same result)."""
+        axes = self.axes.get(name, ())
+        args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+        if axes and self.platform in ("tpu", "gpu"):
+            return jax.lax.ragged_all_to_all(*args, axis_name=axes)
+        return models.ragged_all_to_all_by_blocks(lambda x: self.all_to_all(x, name), *args)
 
     def ring_shift(self, x, name: str):
         """Each device's `x` (a pytree) to the next device along `name` (the last to the first)."""

@@ -7,10 +7,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+import models
 from models import moe as moe_lib, no_constraint
 from shardtrain import config, mesh as mesh_lib, step as step_lib
-from shardtrain.plan import hlo
+from shardtrain.plan import chips, hlo, planner, topology
 
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64", "model.n_layers=2",
          "model.moe.n_experts=4", "model.moe.experts_per_token=2", "data.seq_len=32", "train.global_batch_size=8",
@@ -122,6 +124,38 @@ def test_expert_and_context_parallel_losses_gradients_and_collectives():
     assert gathered and all(c.bytes in other_bytes and "context" not in c.axes for c in gathered), gathered
 
 
+
+
+def test_ragged_all_to_all_by_blocks_gives_jax_s_two_device_example():
+    """XLA:CPU's stand-in for `jax.lax.ragged_all_to_all` (a dense all-to-all of blocks) on the
+    example of that function's docstring: device 0 sends [1] to itself and [2, 2] to device 1 at 0,
+    device 1 sends [3] to device 0 at 1 and [4] to itself at 2."""
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+
+    def per_device(*args):
+        return models.ragged_all_to_all_by_blocks(lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True), *args)
+
+    example = ([[1, 2, 2], [3, 4, 0]], np.zeros((2, 4)), [[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]],
+               [[1, 1], [2, 1]])  # operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
+    args = [jax.device_put(np.array(a, np.int32).reshape(-1), NamedSharding(mesh, P("x"))) for a in example]
+    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    np.testing.assert_array_equal(np.asarray(run(*args)).reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+def test_on_tpus_tokens_travel_by_ragged_all_to_all_over_expert():
+    """The TPU compiler (v5e:2x4, expert 4 x fsdp 2): each layer's tokens go to their experts and
+    back by ragged all-to-alls over `expert`, forward and backward; the dense all-to-alls over it
+    move only the row counts and offsets (a few int32s), none a buffer of tokens."""
+    cfg = config.load(None, [*SMALL, "model.d_model=128", "model.d_ff=256", "model.vocab_size=256",
+                             "data.seq_len=128", "train.global_batch_size=16", "hardware.chip=v5e",
+                             "hardware.topology=2x4", "mesh.expert=4", "mesh.fsdp=2"])
+    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh, list(topology.devices(chips.CHIPS["v5e"], "2x4"))))
+    colls = hlo.collectives(planner.compile_fast(prog.lower(), "tpu").as_text(), dict(prog.mesh.shape))
+    ragged = [c for c in colls if c.kind == "ragged-all-to-all"]
+    assert ragged and all(c.axes == ("expert",) for c in ragged), colls
+    assert sum(c.count for c in ragged) == 4 * cfg.model.n_layers  # there and back, forward and backward
+    dense = [c for c in colls if c.kind == "all-to-all" and c.axes == ("expert",)]
+    assert dense and all(c.bytes <= 4 * 4 * 2 and c.dtypes == ("s32",) for c in dense), dense
 
 
 DEEPSEEK = ["model.moe.router=sigmoid", "model.moe.n_groups=2", "model.moe.topk_groups=2",
