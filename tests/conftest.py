@@ -8,8 +8,9 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 dominates that time (2.4x less CPU without it on tests/test_program.py + test_sharding.py). The
 lowered program is the same; every comparison a test makes runs under the same flag. Runs outside
 the tests (make train, bench/) keep XLA's default."""
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE,
-                                    "--xla_force_host_platform_device_count=8"]).strip()
+_flags = os.environ.get("XLA_FLAGS", "").split()  # make test's workers inherit the flags their parent added
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in (FAST_COMPILE, "--xla_force_host_platform_device_count=8")
+                                             if f not in _flags])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SHARDTRAIN_NUM_PROCESSES", "1")  # in-process CLI calls: no cluster detection
 if "PYTEST_XDIST_WORKER" in os.environ:  # make test's workers: a persistent compile cache each (JAX writes
