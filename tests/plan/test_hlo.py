@@ -103,6 +103,23 @@ ENTRY %main (x: bf16[64,128], o: bf16[256,128], s: s32[4]) -> bf16[256,128] {
                                                                     256 * 128 * 2 * 3 / 4, ("expert",), ("bf16",))
 
 
+
+def test_a_pallas_kernels_declared_flops_count_on_every_loop_iteration():
+    """A Pallas kernel (MaxText's megablox `gmm`, our `ragged_dot` on TPUs) declares its FLOPs in a
+    `cost_estimate`, on a line of its own after the kernel's metadata: cost analysis counts them for
+    one iteration of the layer loop, `loop_repeats_cost` for the other 3 (4 runs in all)."""
+    kernel = ('  %gmm = f32[1024] custom-call(f32[1024] %x), custom_call_target="tpu_custom_call", '
+              'frontend_attributes={kernel_metadata={\n"xprof_metadata":"{}"\n}}, backend_config='
+              '{"custom_call_config":{"body":"TUzv","cost_estimate":{"flops":"7000","transcendentals":"0"}}}\n')
+    reduce = "  %r = f32[1024] all-reduce(f32[1024] %"
+    text = MODULE.replace(reduce + "x)", kernel + reduce + "gmm)")
+    module = hlo.parse_module(text)
+    gmm = next(i for i in module.computations["body"] if i.name == "gmm")
+    assert '"flops":"7000"' in gmm.line and [i.name for i in module.computations["body"]][-2:] == ["r", "t"]
+    plain = hlo.loop_repeats_cost(MODULE)[0]
+    assert hlo.loop_repeats_cost(module)[0] == plain + 3 * 7000
+    assert hlo.program_cost(module)[0] == hlo.program_cost(MODULE)[0] + 4 * 7000
+
 def test_loop_iterations_that_cost_analysis_skips_are_added():
     def rolled(w, x):
         return jax.lax.fori_loop(0, 10, lambda i, x: jax.numpy.tanh(x @ w), x)

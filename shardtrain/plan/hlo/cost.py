@@ -7,7 +7,8 @@ loop level, from `parse.multipliers`).
 `program_cost` counts the whole program the same way, for compilers that give no cost analysis
 (XLA:GPU compiling for GPUs that are not here).
 
-The counting rules (`_own_cost`): 2mnk per dot and per cuBLAS GEMM custom call (XLA:GPU's dots); per
+The counting rules (`_own_cost`): the FLOPs a Pallas kernel declares; 2mnk per dot and per cuBLAS
+GEMM or TPU ragged-dot custom call (XLA:GPU's dots, grouped matmuls); per
 convolution, 2 x batch x output features x input
 features x the (output, kernel) position pairs inside the input (the TPU compiler writes dots as
 convolutions); one FLOP per element of element-wise ops and reduce inputs (transcendentals are not
@@ -118,8 +119,8 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
     shapes = {i.name: i.shape for i in comp}
     flops = nbytes = 0.0
     for ins in comp:
-        if ins.opcode in ("dot", "convolution") or (ins.opcode == "custom-call" and "__cublas" in ins.line):
-            flops += _matmul_flops(ins, shapes)  # (not the TPU's ragged-dot kernel: cost analysis has none)
+        if ins.opcode in ("dot", "convolution", "custom-call"):
+            flops += _declared_flops(ins) or _matmul_flops(ins, shapes)
         elif ins.opcode in _ELEMENTWISE:
             flops += math.prod(dims(ins.shape))
         elif ins.opcode == "reduce":
@@ -157,6 +158,17 @@ def matmul_flops_by_dtype(program: str | Module, count: bool = False) -> dict[st
                 lhs, rhs = (t.group(1) if t else "?" for t in types)
                 out[lhs if lhs == rhs else f"{lhs}x{rhs}"] += (1 if count else flops) * mult[name]
     return dict(out)
+
+
+_DECLARED_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
+
+
+def _declared_flops(ins: Instr) -> float:
+    """The FLOPs a Pallas kernel declares (its `cost_estimate`, which the TPU's cost analysis counts):
+    the TPU's grouped matmuls (ours: `ragged_dot`'s kernel; MaxText's: megablox `gmm`/`tgmm`) count
+    every row of their static buffers, an upper bound on dropless routing's work."""
+    found = _DECLARED_FLOPS.search(ins.line) if ins.opcode == "custom-call" else None
+    return float(found.group(1)) if found else 0.0
 
 
 def _matmul_flops(ins: Instr, shapes: dict[str, str]) -> float:

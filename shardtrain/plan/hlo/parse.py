@@ -72,7 +72,9 @@ def parse_module(text: str) -> Module:
             current = None
             continue
         m = _INSTR.match(line)
-        if not m:
+        if not m:  # an instruction's attributes can hold newlines (a Pallas kernel's metadata)
+            if current:
+                current[-1].line += "\n" + line
             continue
         shape, tail = _split_shape(line[m.end():])
         op = _OPCODE.match(tail)
