@@ -206,8 +206,9 @@ COMPILED_FITS = Path(__file__).parents[1] / "golden" / "compiled_fits.json"
 
 def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
     """The compiled program's memory per chip and MFU, memoized in tests/golden/compiled_fits.json
-    under the sha256 of its lowered text, the compilers' versions and the XLA / libtpu flags: the
-    same key compiles to the same figures, so only a config whose program changed pays the compile
+    under the sha256 of its lowered text, the compilers' versions, the XLA / libtpu flags and the
+    planner's own code (shardtrain/plan, which reads the figures off the compiled program): the same
+    key gives the same figures, so only a config whose program or planner changed pays the compile
     (minutes on CI's 2 cores); UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
     lowered = prog.lower()
     versions = [f"{m}={importlib.metadata.version(m)}" for m in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin")]
@@ -217,7 +218,8 @@ def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
     # writes in HBM, its operands and results, stays in the text)
     text = re.sub(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"', r'\1"callback"', lowered.as_text())
     text = re.sub(r'\\22body\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-body", text)
-    key = hashlib.sha256("\n".join([*versions, *flags, text]).encode()).hexdigest()[:16]
+    reader = [p.read_text() for p in sorted(Path(planner.__file__).parent.rglob("*.py"))]
+    key = hashlib.sha256("\n".join([*versions, *flags, *reader, text]).encode()).hexdigest()[:16]
     records = json.loads(COMPILED_FITS.read_text())
     if records.get(path, {}).get("key") == key:
         return records[path]
