@@ -103,7 +103,6 @@ ENTRY %main (x: bf16[64,128], o: bf16[256,128], s: s32[4]) -> bf16[256,128] {
                                                                     256 * 128 * 2 * 3 / 4, ("expert",), ("bf16",))
 
 
-
 def test_a_pallas_kernels_declared_flops_count_on_every_loop_iteration():
     """A Pallas kernel (MaxText's megablox `gmm`, our `ragged_dot` on TPUs) declares its FLOPs in a
     `cost_estimate`, on a line of its own after the kernel's metadata: cost analysis counts them for
@@ -119,6 +118,7 @@ def test_a_pallas_kernels_declared_flops_count_on_every_loop_iteration():
     plain = hlo.loop_repeats_cost(MODULE)[0]
     assert hlo.loop_repeats_cost(module)[0] == plain + 3 * 7000
     assert hlo.program_cost(module)[0] == hlo.program_cost(MODULE)[0] + 4 * 7000
+
 
 def test_loop_iterations_that_cost_analysis_skips_are_added():
     def rolled(w, x):
