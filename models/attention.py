@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import no_constraint
+from models.contract import no_constraint
 
 IMPLS = ("auto", "xla", "chunked", "splash", "cudnn")
 CHUNK = 512

@@ -28,21 +28,18 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models import (
+from models import LORA_A, LORA_B, adapted_weights, attention, moe
+from models.contract import no_constraint
+from models.layers import (
     BTD,
     BTF,
     BTV,
-    LORA_A,
-    LORA_B,
     Stages,
-    attention,
     dense,
     embed_lookup,
     flat_matmuls,
     lookup_table,
     matmul_params,
-    moe,
-    no_constraint,
     param,
     scan_blocks,
     scan_layers,
@@ -120,8 +117,6 @@ BLOCK_WEIGHTS = {  # name: (logical axes, input dims, the Hugging Face module's 
     "w_down_fd": (("mlp", "embed"), 1, "down_proj")}
 """The block's projection weights, the ones LoRA can adapt: one table for their axes and HF names."""
 LOGICAL = {name: axes for name, (axes, _, _) in BLOCK_WEIGHTS.items()}
-LORA_TARGETS = {name: hf_name for name, (_, _, hf_name) in BLOCK_WEIGHTS.items()}
-"""Block weights LoRA can adapt: our parameter name -> the Hugging Face module name (either works)."""
 
 
 class Block(nnx.Module):
@@ -170,7 +165,7 @@ class Block(nnx.Module):
         else:
             self._dense_mlp(cfg, rngs)
         self.lora_scale = cfg.lora.alpha / max(cfg.lora.rank, 1)
-        for name in cfg.lora.target_params():  # low-rank adapters: A (W's input dims, r), B (r, W's output dims)
+        for name in adapted_weights(cfg):  # low-rank adapters: A (W's input dims, r), B (r, W's output dims)
             (names, n_in, _), w, r = BLOCK_WEIGHTS[name], getattr(self, name), cfg.lora.rank
             setattr(self, name + LORA_A, param(rngs, normal(math.prod(w.shape[:n_in]) ** -0.5),
                                               (*w.shape[:n_in], r), (*names[:n_in], None)))
@@ -324,6 +319,18 @@ class Block(nnx.Module):
 
 
 class Gpt(nnx.Module):
+    @staticmethod
+    def adaptable(cfg) -> dict[str, str]:
+        """The block weights LoRA can adapt in a model of `cfg`: parameter name -> Hugging Face module name.
+        Latent attention (cfg.mla) has no grouped-query key/value weights (and no wq_dhe with a
+        q_lora_rank); an MoE model's MLP weights are its experts', which take no adapters."""
+        absent = set()
+        if cfg.mla is not None:
+            absent |= {"wk_dke", "wv_dke", *(("wq_dhe",) if cfg.mla.q_lora_rank is not None else ())}
+        if cfg.moe.n_experts > 1:
+            absent |= {"w_gate_df", "w_up_df", "w_down_fd"}
+        return {name: hf_name for name, (_, _, hf_name) in BLOCK_WEIGHTS.items() if name not in absent}
+
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint, quantization="none"):
         """`quantization` applies to the blocks' matmuls (projections, MLP, experts); the embedding,
         head and norms stay in the compute dtype."""
@@ -332,6 +339,7 @@ class Gpt(nnx.Module):
         self.embed_scale = cfg.d_model ** 0.5 if cfg.scale_embeddings else None
         self.kinds = tuple(cfg.layer_pattern)
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+
         def stack(c, n):
             return stacked(lambda r: Block(c, rngs=r, constrain=constrain, quantization=quantization), n, rngs)
         k = cfg.moe.first_dense_layers if cfg.moe.n_experts > 1 else 0

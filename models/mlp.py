@@ -8,19 +8,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from models import (
-    BTD,
-    BTF,
-    BTV,
-    dense,
-    embed_lookup,
-    lookup_table,
-    matmul_params,
-    no_constraint,
-    param,
-    scan_blocks,
-    stacked,
-)
+from models.contract import no_constraint
+from models.layers import BTD, BTF, BTV, dense, embed_lookup, lookup_table, matmul_params, param, scan_blocks, stacked
 
 normal = nnx.initializers.normal
 
@@ -38,6 +27,11 @@ class Block(nnx.Module):
 
 
 class Mlp(nnx.Module):
+    @staticmethod
+    def adaptable(cfg) -> dict[str, str]:
+        """No weight here takes LoRA adapters."""
+        return {}
+
     def __init__(self, cfg, *, rngs: nnx.Rngs, constrain=no_constraint, quantization="none"):
         self.constrain, self.embed_how = constrain, cfg.embed
         self.embedding_vd = param(rngs, normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))

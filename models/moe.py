@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import dense, flat_matmuls, param, quant
+from models import quant
+from models.layers import dense, flat_matmuls, param
 
 normal = nnx.initializers.normal
 W_IN = ("experts", "expert_embed", "mlp")

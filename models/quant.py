@@ -17,7 +17,7 @@ step to step (no amax history: the train state and checkpoints are unchanged).
 - int8: q = round(v / s) in [-127, 127] (Q = 127), products accumulated in int32
   (`preferred_element_type=int32`): the TPU's int8 MXU path. Rounding error per element is at most
   s / 2, so |y - x @ w| <= sum_k (|x_k| s_w / 2 + |w_k| s_x / 2 + s_x s_w / 4) per output (the bound
-  tests/test_quant.py checks).
+  tests/models/test_quant.py checks).
 - fp8: e4m3 (Q = 448) for the forward operands, e5m2 (Q = 57344, more range, less precision) for
   the gradient g in the backward products, accumulated in float32 and returned in the compute
   dtype: on XLA:GPU (H100 / H200) an fp8 x fp8 dot becomes an fp8 GEMM (cuBLASLt or Triton).

@@ -11,7 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardtrain import config as config_lib, distributed
+from shardtrain import config as config_lib
+from shardtrain.runtime import distributed
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -74,7 +75,7 @@ def cmd_train(args) -> int:
         prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
     if cfg.checkpoint.local.directory:
         prepare_dir(cfg.checkpoint.local.directory, "checkpoint.local.directory")
-    from shardtrain import faults
+    from shardtrain.runtime import faults
     faults.parse(os.environ.get(faults.VARIABLE))  # a malformed SHARDTRAIN_FAULT stops before any work
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import loop
@@ -93,7 +94,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_goodput(args) -> int:
-    from shardtrain import goodput
+    from shardtrain.runtime import goodput
     return goodput.main(args.run_dir, args.json)
 
 
@@ -157,14 +158,14 @@ def cmd_ckpt(args) -> int:
 
 def cmd_import_hf(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
-    from shardtrain.hf import weights
+    from shardtrain import weights
     weights.import_hf(args.hf_dir, args.out_dir, args.overrides)
     return 0
 
 
 def cmd_export_hf(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
-    from shardtrain.hf import weights
+    from shardtrain import weights
     with leaving_on_error(distributed.initialize()):  # on every host of a multi-host run: process 0 writes
         weights.export_hf(args.source, args.out_dir, args.dtype, args.max_shard_size)
     return 0

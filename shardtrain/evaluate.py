@@ -45,8 +45,9 @@ class Evaluator:
 
 def main(cfg: RunConfig, checkpoint_path: str) -> int:
     """`shardtrain eval [CONFIG] CHECKPOINT`: prints one JSON line {step, eval_loss, eval_perplexity}."""
-    from shardtrain import mesh as mesh_lib, step as step_lib
+    from shardtrain import step as step_lib
     from shardtrain.checkpoint import listing, manager
+    from shardtrain.parallel import mesh as mesh_lib
     directory, step = listing.locate(checkpoint_path)
     directory = config_lib.absolute(directory)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, directory=directory))

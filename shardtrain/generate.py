@@ -26,9 +26,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardtrain import config as config_lib, mesh as mesh_lib, sharding
+from shardtrain import config as config_lib, weights
 from shardtrain.data import chat, tokenize
-from shardtrain.hf import weights
+from shardtrain.parallel import mesh as mesh_lib, sharding
 
 
 def load_tokenizer(files_dir: Path | None) -> tokenize.HfTokenizer | None:

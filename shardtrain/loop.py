@@ -13,22 +13,12 @@ from pathlib import Path
 import jax
 
 from models import is_adapter
-from shardtrain import (
-    config as config_lib,
-    distributed,
-    evaluate,
-    faults,
-    goodput,
-    health,
-    mesh as mesh_lib,
-    optim,
-    sharding,
-    step as step_lib,
-)
+from shardtrain import config as config_lib, evaluate, optim, step as step_lib, weights
 from shardtrain.checkpoint import listing, local as local_tier, manager
 from shardtrain.data import loader
-from shardtrain.hf import weights
 from shardtrain.metrics import Metrics
+from shardtrain.parallel import mesh as mesh_lib, sharding
+from shardtrain.runtime import distributed, faults, goodput, health
 
 EXIT_PREEMPTED = 75
 EXIT_NONFINITE = 65
@@ -279,6 +269,8 @@ class StepLog:
     def restart_clock(self) -> None:
         """What ran since the last step (an evaluation, a save's blocking part) is not a step's time."""
         self.last_done = time.perf_counter()
+
+
 class ProfileWindow:
     """Steps train.profile_steps[0]..[1] (1-based) run inside a jax.profiler trace."""
 
@@ -374,9 +366,3 @@ class Run:
             self.clock.charge("checkpoint_save")
             log.restart_clock()
         self.ckpt.check()  # a failed async save raises manager.SaveFailed at the next step boundary
-
-
-def bare_loop_batches(prog: step_lib.Program, steps: int) -> list[jax.Array]:
-    """The first `steps` global batches as device arrays (for benchmarks that bypass the loop)."""
-    it = loader.batches(loader.samples(prog.cfg), prog.cfg.train.global_batch_size, prog.local_rows(), 0, steps)
-    return [prog.device_batch(b) for _, b in it]

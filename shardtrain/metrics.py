@@ -10,8 +10,8 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
+from shardtrain import chips
 from shardtrain.config import RunConfig
-from shardtrain.plan import chips
 
 
 def drop_rows_after(path: Path, step: int) -> None:

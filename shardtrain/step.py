@@ -26,12 +26,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from models import attention
-from shardtrain import comm, optim, pipeline, sharding
-from shardtrain.blocks import scan_runner
+from shardtrain import optim
 from shardtrain.config import ConfigError, RunConfig
 from shardtrain.data import loader
 from shardtrain.loss import n_chunks, weighted_cross_entropy_sum
-from shardtrain.sharding import abstract_model  # noqa: F401 - callers reach it as step.abstract_model
+from shardtrain.parallel import comm, pipeline, sharding
+from shardtrain.parallel.blocks import scan_runner
 
 
 @dataclasses.dataclass
@@ -118,10 +118,6 @@ def unpack(batch):
     if "loss_mask" in batch:
         weights_bt = weights_bt * batch["loss_mask"][:, 1:].astype(jnp.float32)
     return tokens[:, :-1], tokens[:, 1:], seg[:, :-1], batch["positions"][:, :-1], weights_bt
-
-
-def dtype(name: str):
-    return jnp.dtype(name)
 
 
 def param_count(layout: sharding.ParamLayout, where: Callable | None = None) -> int:
@@ -214,7 +210,7 @@ def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callab
     the auxiliary losses the model reports: a dict, e.g. an MoE router's), computed in
     train.compute_dtype: embed -> run_blocks -> head (packed documents: see `unpack`). `reorder`
     (`context_order`) is applied to every field of the batch, positions included."""
-    compute_dtype = dtype(cfg.train.compute_dtype)
+    compute_dtype = jnp.dtype(cfg.train.compute_dtype)
 
     def loss_sums(params, batch):
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
@@ -280,7 +276,7 @@ def make_loss_and_grads(cfg: RunConfig, loss_sums: Callable, constrain) -> Calla
 def update_fn(cfg: RunConfig, tx: optax.GradientTransformation, nan_at: int | None = None) -> Callable:
     """(state, losses, grads) -> (state, metrics): applies reduced gradients; params, opt and step
     advance, other state entries pass through. `losses`: the dict loss_and_grads returns (`loss`
-    and any auxiliary losses), all logged. `nan_at`: a fault for tests (shardtrain/faults.py):
+    and any auxiliary losses), all logged. `nan_at`: a fault for tests (shardtrain/runtime/faults.py):
     that step's gradients are NaN."""
     lr = optim.schedule(cfg)
 
@@ -350,9 +346,9 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     if comm.enabled(cfg) and cfg.model.moe.n_experts > 1 and mesh.shape["expert"] > 1:
         raise ConfigError("mesh.expert > 1 does not combine with train.comm.sync=local_sgd or a compressed "
                           "train.comm.grad_reduce_dtype yet; use mesh.expert=1")
-    if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/comm.py
+    if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/parallel/comm.py
         shardings, fresh, train_step = comm.build(
-            cfg, mesh, comm.Base(shardings, layout.params, fresh, update, replica_loss_and_grads))
+            cfg, mesh, comm.PlainStep(shardings, layout.params, fresh, update, replica_loss_and_grads))
     if cfg.train.on_nonfinite == "skip":
         train_step = skipping_nonfinite(train_step)
     sums, replicated = (lambda p, b: loss_sums(p, b)[:2]), shardings["step"]

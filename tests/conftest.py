@@ -1,6 +1,7 @@
 """8 simulated CPU devices for every test, requested before jax is imported."""
 
 import os
+import sys
 import tempfile
 
 FAST_COMPILE = "--xla_backend_optimization_level=0"
@@ -24,12 +25,25 @@ import pytest  # noqa: E402
 
 from shardtrain import config  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's bench/
+from bench.harness import bare_loop_batches  # noqa: E402
+
 pytest_plugins = ["prepared_data"]  # the prepared token data's fixtures (tests/prepared_data.py), for any test
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=16", "train.global_batch_size=8",
         "data.source=synthetic"]
 """Overrides of a model and run small enough for any test (`from conftest import TINY`); a test adds
 or overrides what it needs after them (later overrides win)."""
+
+
+def run_steps(prog, steps: int) -> tuple[dict, list[float]]:
+    """(the state after, each step's loss) of `steps` steps of a step.Program from its fresh state,
+    outside the trainer's loop (`from conftest import run_steps`)."""
+    state, losses = prog.init(prog.cfg.train.seed), []
+    for batch in bare_loop_batches(prog, steps):
+        state, metrics = prog.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
 
 
 def cli_env(**extra: str) -> dict:
@@ -54,13 +68,13 @@ def pytest_collection_modifyitems(items):
 # share is built once, not once per worker (tests/one_worker.py says why not `xdist_group` marks).
 # A prefix of a node id -> what its tests share.
 ONE_WORKER = {
-    "tests/test_multihost.py::": "the one- and two-process runs",
+    "tests/system/test_multihost.py::": "the one- and two-process runs",
     "tests/checkpoint/test_checkpoint_e2e.py::": "the uninterrupted run",
     "tests/test_step.py::": "the single-device reference step",
     "tests/plan/test_planner.py::": "planned()",
     "tests/test_step_packed.py::": "packed_loss()",
-    "tests/test_pipeline.py::": "mlp_reference",
-    "tests/test_scale.py::": "small",
+    "tests/parallel/test_pipeline.py::": "mlp_reference",
+    "tests/system/test_scale.py::": "small",
     "tests/data/test_chat.py::": "chat_data",
     **{f"tests/plan/test_plan_tpu.py::{name}": "planned() (three TPU compiles)" for name in (
         "test_config_hardware_plans_on_the_tpu_compiler_without_flags",

@@ -5,7 +5,7 @@ xdist's own way, the `xdist_group` mark, is ignored with pytest 9.2 (pytest-xdis
 records a test's group by rewriting its node id, which pytest 9.2 no longer reads back), and xdist
 has no public way to group tests from the controller, which sees only node ids. So `scheduler`
 overrides the one private method that names a test's group, `LoadGroupScheduling._split_scope`;
-tests/test_one_worker.py runs a small suite on 2 workers and fails if xdist stops calling it."""
+tests/system/test_one_worker.py runs a small suite on 2 workers and fails if xdist stops calling it."""
 
 from __future__ import annotations
 

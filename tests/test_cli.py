@@ -147,7 +147,8 @@ def test_resuming_with_another_optimizer_exits_2_with_one_line_before_compiling(
      "q_proj, w_down_fd (the other 37.0K frozen); on 8 cpu devices"),
 ])
 def test_start_of_a_run_says_what_trains(overrides, line):
-    from shardtrain import config, loop, mesh as mesh_lib, step
+    from shardtrain import config, loop, step
+    from shardtrain.parallel import mesh as mesh_lib
     cfg = config.load("meshes/demo.yaml", [*TINY, *overrides])
     assert line in loop.model_line(step.build(cfg, mesh_lib.make_mesh(cfg.mesh)))
 
@@ -162,7 +163,8 @@ def test_start_of_a_run_says_what_trains(overrides, line):
      "local SGD over data, sync every 4 steps in float32 (outer lr 1.0, momentum 0.0)"),
 ])
 def test_start_of_a_run_says_its_mode_in_one_line(overrides, line):
-    from shardtrain import config, loop, mesh as mesh_lib, step
+    from shardtrain import config, loop, step
+    from shardtrain.parallel import mesh as mesh_lib
     cfg = config.load("meshes/demo.yaml", overrides)
     assert line in loop.mode_line(step.build(cfg, mesh_lib.make_mesh(cfg.mesh)))
 

@@ -9,7 +9,8 @@ import pytest
 
 from models import attention
 from models.attention import load_balanced_order
-from shardtrain import config, mesh as mesh_lib, sharding, step as step_lib
+from shardtrain import config, step as step_lib
+from shardtrain.parallel import mesh as mesh_lib, sharding
 
 
 def reference(q, k, v, pos_bt, seg_bt, window=None, softcap=None):
@@ -41,11 +42,13 @@ def test_ring_attention_over_four_devices_equals_masked_attention_with_packed_do
     def loss(fn, q, k, v):
         o = fn(q, k, v)
         return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape))), o
+
     def run_ring(q, k, v):
         extra = {} if softcap is None else dict(scale=1 / 3, softcap=softcap)
         return attention.ring(q, k, v, pos_bt, seg_bt, constrain=c, chunk=chunk, window=window, **extra)
     ring = jax.jit(jax.value_and_grad(lambda *a: loss(run_ring, *a),
                                       argnums=(0, 1, 2), has_aux=True))
+
     def run_reference(q, k, v):
         return reference(q, k, v, pos_bt, seg_bt, window, softcap)
     ref = jax.jit(jax.value_and_grad(lambda *a: loss(run_reference, *a), argnums=(0, 1, 2), has_aux=True))

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardtrain import loss, mesh as mesh_lib, sharding
+from shardtrain import loss
 from shardtrain.config import MeshConfig, RulesConfig
+from shardtrain.parallel import mesh as mesh_lib, sharding
 
 
 def setup(b=4, t=64, d=16, v=50):

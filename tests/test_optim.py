@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import TINY
-from shardtrain import config, mesh as mesh_lib, optim, sharding, step
+from shardtrain import config, optim, step
+from shardtrain.parallel import mesh as mesh_lib, sharding
 
 OPTIMIZERS = ("adamw", "adafactor", "muon", "lion")
 WIDE = [*TINY, "model.d_model=128", "model.d_ff=256", "model.n_heads=4", "model.n_kv_heads=4",

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 import models
 from conftest import TINY
 from models.gpt import Gpt
-from shardtrain import config, loop, mesh as mesh_lib, optim, pipeline, sharding, step
-from shardtrain.hf import weights
+from shardtrain import config, loop, optim, step, weights
+from shardtrain.parallel import mesh as mesh_lib, pipeline, sharding
 from shardtrain.plan import planner
 
 GPT = [*TINY, "model.name=gpt", "model.n_heads=2", "model.n_kv_heads=2"]

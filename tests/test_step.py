@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import TINY
-from shardtrain import config, mesh as mesh_lib, sharding, step
+from shardtrain import config, step
+from shardtrain.parallel import mesh as mesh_lib, sharding
+from shardtrain.parallel.sharding import shard_bytes
 from shardtrain.plan import hlo
-from shardtrain.sharding import shard_bytes
 
 SMALL = [*TINY, "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=128",
          "train.global_batch_size=16"]

@@ -11,7 +11,8 @@ import optax
 from flax import nnx
 
 import models
-from shardtrain import config, mesh as mesh_lib, step
+from shardtrain import config, step
+from shardtrain.parallel import mesh as mesh_lib, sharding
 
 PACKED_LENGTHS = [[7, 10, 7], [24], [3, 5, 16], [12, 12], [1, 2, 21], [20, 4], [8, 8, 8], [5, 19]]
 
@@ -33,7 +34,7 @@ def packed_loss(*mesh):
     batch = {k: np.stack(v).astype(np.int32) for k, v in batch.items()}
     total, count = jax.jit(prog.loss_sums)(
         jax.device_put(params, prog.state_shardings["params"]), prog.device_batch(batch))
-    return (float(total), float(count)), docs, nnx.merge(nnx.split(step.abstract_model(cfg))[0], params)
+    return (float(total), float(count)), docs, nnx.merge(nnx.split(sharding.abstract_model(cfg))[0], params)
 
 
 def test_packed_loss_equals_the_documents_run_one_by_one():

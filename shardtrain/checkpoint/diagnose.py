@@ -10,7 +10,8 @@ from pathlib import Path
 import jax
 from etils import epath
 
-from shardtrain import config as config_lib, sharding
+from shardtrain import config as config_lib
+from shardtrain.parallel import sharding
 
 
 def leaf_shapes(tree) -> dict[str, tuple]:

@@ -187,7 +187,7 @@ def restore_newest(persistent: manager.Checkpointer, local: LocalTier | None, sa
                 error = None
             except Exception as e:  # noqa: BLE001 - any read failure makes the local step unusable
                 error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            if manager.everyone(error is None):
+            if manager.all_processes_agree(error is None):
                 return state, meta, "local"
             say(f"local checkpoint step {step} cannot be read on every process"
                 f"{f' (here: {error})' if error else ''}; trying an older step")

@@ -5,7 +5,7 @@ updates (`state`: params, optimizer state, step counter) and a JSON item `meta`:
 position in global samples, the mesh and device/process counts it was written from, and the
 resolved config. Nothing else is needed to continue exactly:
 - RNG: parameters are initialised from train.seed; the train step draws no random numbers.
-- Data: sample i of the dataset is a function of (train.seed, i) (see data.py), so the data
+- Data: sample i of the dataset is a function of (train.seed, i) (see data/loader.py), so the data
   pipeline's whole state is one integer, the global sample position. A grain iterator state
   would add nothing and would tie the checkpoint to one process count (grain's state is per
   process); the global position resumes on any number of processes and devices.
@@ -54,7 +54,7 @@ class SaveFailed(RuntimeError):
     """An async checkpoint save failed; the run must stop rather than believe it has a checkpoint."""
 
 
-def everyone(ok: bool) -> bool:
+def all_processes_agree(ok: bool) -> bool:
     """True when `ok` holds on every process (so all processes take the same branch)."""
     if jax.process_count() == 1:
         return ok
@@ -204,7 +204,7 @@ class Checkpointer:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure makes the step unusable
                 error = diagnose.read_error(e, epath.Path(self.dir) / str(step))
-            if everyone(error is None):
+            if all_processes_agree(error is None):
                 for bad, reason in failed:
                     self.set_aside(bad, reason)
                     say(f"checkpoint step {bad} is unusable ({reason}); moved it to "

@@ -9,6 +9,7 @@ One source of truth: every other module reads a `RunConfig`. Errors a user can c
 """
 
 from shardtrain.config.load import absolute, dump, from_dict, load, read_yaml, resolve_paths, to_dict
+from shardtrain.config.model import LoraConfig, MlaConfig, ModelConfig, MoeConfig, RopeScalingConfig
 from shardtrain.config.schema import (
     MESH_AXES,
     MOVED,
@@ -20,15 +21,10 @@ from shardtrain.config.schema import (
     DcnConfig,
     HardwareConfig,
     LocalTierConfig,
-    LoraConfig,
     MeshConfig,
     MixtureEntry,
-    MlaConfig,
-    ModelConfig,
-    MoeConfig,
     OptimizerConfig,
     PipelineConfig,
-    RopeScalingConfig,
     RulesConfig,
     RunConfig,
     TrainConfig,

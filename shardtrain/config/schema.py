@@ -3,8 +3,8 @@
 A `RunConfig` is the one source of truth every other module reads. Each field carries its default
 and a docstring; a field that matters only under another setting sits in that setting's section
 (`model.moe`, `train.pipeline`, `train.comm`). `MOVED` lists the flat names those sections
-replaced, so that the loader can say where each went. Loading lives in `load.py`, cross-field
-checks in `validate.py`.
+replaced, so that the loader can say where each went. The model section is in `model.py`, loading
+in `load.py`, cross-field checks in `validate.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Optional
+
+from shardtrain.config.model import ModelConfig, MoeConfig
 
 
 class ConfigError(ValueError):
@@ -112,191 +114,6 @@ class RulesConfig:
 
 
 @dataclass(frozen=True)
-class RopeScalingConfig:
-    """Rotary frequency scaling for contexts longer than pre-training (Hugging Face `rope_scaling`)."""
-
-    type: Literal["linear", "llama3"] = "llama3"
-    """`linear`: every frequency divided by `factor`; `llama3`: Llama 3.1's low/high-frequency blend."""
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
-    high_freq_factor: float = 4.0
-    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
-    original_max_position_embeddings: int = 8192
-    """llama3: the pre-training context length."""
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """Low-rank adapters: each target weight W is used as W + (alpha / rank) * A @ B with A
-    (W's input dims, rank) and B (rank, W's output dims), sharded like W's dims; B starts at zero.
-    With rank > 0 only the adapters train (the rest is frozen) and export-hf merges them into W."""
-
-    rank: int = 0
-    """Adapter rank; 0: no adapters."""
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ("wq_dhe", "wk_dke", "wv_dke", "wo_hed")
-    """Adapted block weights by parameter name (wq_dhe, w_up_df, ...) or HF module name (q_proj, up_proj, ...)."""
-
-    def target_params(self) -> tuple[str, ...]:
-        """The adapted weights by parameter name (HF module names translated); () when rank is 0."""
-        from models.gpt import LORA_TARGETS  # not at the top: see validate.validate_lora
-
-        by_hf = {v: k for k, v in LORA_TARGETS.items()}
-        return tuple(by_hf.get(t, t) for t in self.targets) if self.rank > 0 else ()
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """Mixture of experts: with n_experts > 1 every block's MLP is a routed set of experts
-    (models/moe.py: Mixtral, Qwen-MoE); the other fields matter only then."""
-
-    n_experts: int = 0
-    """Experts per MoE layer (every layer's MLP; d_ff is each expert's hidden size); 0 or 1: a
-    dense MLP."""
-    experts_per_token: int = 2
-    """Experts each token is routed to (top-k, by softmax router probability)."""
-    n_shared_experts: int = 0
-    """Experts every token also passes through (DeepSeek / Qwen-MoE style), unweighted."""
-    shared_expert_d_ff: Optional[int] = None
-    """Hidden size of the shared experts' one SwiGLU MLP; default n_shared_experts x d_ff."""
-    shared_expert_gate: bool = False
-    """The shared experts' output is scaled by sigmoid(h . w), w a learned vector (Qwen2-MoE)."""
-    norm_topk_prob: bool = True
-    """The top-k router probabilities are renormalised to sum to 1 (Mixtral, Qwen3-MoE);
-    false weights each expert by its softmax probability over all experts (Qwen2-MoE's default)."""
-    capacity_factor: Optional[float] = None
-    """null routes every token (dropless); a number caps each expert at capacity_factor x
-    (tokens x experts_per_token / n_experts) assignments per expert shard's batch, dropping the rest."""
-    router_aux_loss_coef: float = 0.01
-    """Weight of the load-balancing loss n_experts x sum_e (fraction of assignments to e) x
-    (mean router probability of e)."""
-    router_z_loss_coef: float = 0.001
-    """Weight of the router z-loss, the mean of logsumexp(router logits)^2 (ST-MoE)."""
-    router: Literal["softmax", "sigmoid"] = "softmax"
-    """`softmax` (Mixtral, Qwen-MoE); `sigmoid` (DeepSeek-V3): each expert scored sigmoid(logit),
-    chosen by score + a per-expert load-balancing bias (state, never a gradient: it moves by
-    bias_update_rate x sign(mean load - load) each step), weighted by its score; no auxiliary
-    losses (router_aux_loss_coef and router_z_loss_coef are not used)."""
-    n_groups: int = 1
-    """sigmoid: experts split into n_groups groups; each token picks among the experts of its
-    topk_groups best groups (by the sum of each group's two best biased scores), DeepSeek-V3's n_group."""
-    topk_groups: int = 1
-    """sigmoid: the groups each token keeps (DeepSeek-V3's topk_group)."""
-    routed_scaling_factor: float = 1.0
-    """The routed experts' weights times this (DeepSeek-V3's routed_scaling_factor)."""
-    bias_update_rate: float = 0.001
-    """sigmoid: the load-balancing bias's step per train step (DeepSeek-V3's gamma)."""
-    first_dense_layers: int = 0
-    """The first k layers have a dense MLP of dense_d_ff hidden units, the others experts
-    (DeepSeek's first_k_dense_replace); the two kinds run as two rolled scans."""
-    dense_d_ff: Optional[int] = None
-    """Hidden size of the first_dense_layers' MLP; default d_ff."""
-
-
-@dataclass(frozen=True)
-class MlaConfig:
-    """Multi-head latent attention (DeepSeek-V2/V3): queries through a rank q_lora_rank bottleneck,
-    keys and values from one shared kv_lora_rank latent, plus a qk_rope_head_dim rotary part of
-    the key shared by all heads."""
-
-    q_lora_rank: Optional[int] = None
-    """Rank of the query's compression (RMSNormed); null: a full query projection."""
-    kv_lora_rank: int = 512
-    """Rank of the key/value latent (RMSNormed)."""
-    qk_nope_head_dim: int = 128
-    """Per-head query/key channels without rotary."""
-    qk_rope_head_dim: int = 64
-    """Per-head query channels with rotary; the key's are one rotary part shared by all heads."""
-    v_head_dim: int = 128
-    """Per-head value channels."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
-    Mistral, Qwen2/2.5/3, OLMo 2 and Gemma 2/3 are configs of the one decoder `gpt` (alias `llama`)."""
-
-    name: str = "gpt"
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    """Key/value heads (grouped-query attention); must divide n_heads."""
-    d_ff: int = 512
-    """Hidden size of the (SwiGLU) MLP."""
-    rope_theta: float = 10000.0
-    attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"
-    """Attention implementation (models/attention.py): `xla` materialises the T x T scores;
-    `chunked` is flash-style plain XLA (long sequences anywhere); `splash` the Pallas TPU kernel;
-    `cudnn` cuDNN flash attention on NVIDIA GPUs; `auto`: splash on TPU, cudnn on GPU, xla on CPU."""
-    embed: Literal["gather", "one_hot"] = "gather"
-    """Token embedding: `gather` rows of the table (no B x T x V intermediate); `one_hot` a one-hot
-    matmul (shards cleanly over a vocab-sharded table; 2 V D FLOPs per token)."""
-    rope_scaling: Optional[RopeScalingConfig] = None
-    """Rotary frequency scaling (Llama 3.1+ `llama3`, or `linear`); null: none."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm (Llama 1e-5, Qwen 1e-6)."""
-    tie_embeddings: bool = False
-    """The output projection is the transposed token embedding (Llama 3.2 1B/3B, small Qwens)."""
-    head_dim: Optional[int] = None
-    """Attention head size; default d_model / n_heads (Qwen3 sets its own)."""
-    qkv_bias: bool = False
-    """Biases on the query, key and value projections (Qwen2 / Qwen2.5)."""
-    qk_norm: bool = False
-    """RMSNorm on the queries and keys before rotary (Qwen3, OLMo 2, Gemma 3; see qk_norm_scope)."""
-    qk_norm_scope: Literal["head", "projection"] = "head"
-    """With qk_norm: RMSNorm over each head (Qwen3, Gemma 3) or over the whole query / key
-    projection, all heads at once (OLMo 2)."""
-    sliding_window: Optional[int] = None
-    """Sliding-window causal attention: a token attends to itself and the W - 1 tokens before it
-    (Hugging Face's `sliding_window`: Mistral, Qwen2 with use_sliding_window); null: the whole
-    causal context. Every attention implementation and generation's KV cache honour it. With
-    layer_pattern, only its `local` layers use it."""
-    layer_pattern: tuple[Literal["global", "local"], ...] = ()
-    """A repeating group of layer kinds: `local` layers attend within sliding_window, `global` ones
-    to the whole context (Gemma 2: [local, global]; Gemma 3: five local, one global). The layers
-    run as a rolled scan over groups (n_layers need not be a multiple: the last partial group
-    follows the pattern's start). Empty: every layer alike."""
-    rope_local_theta: Optional[float] = None
-    """Rotary base of the `local` layers of layer_pattern, without rope_scaling (Gemma 3's
-    rope_local_base_freq); null: they rotate as the global ones (rope_theta, rope_scaling)."""
-    norm_position: Literal["pre", "post", "pre_post"] = "pre"
-    """Where each block's RMSNorms sit: `pre` on the attention and MLP inputs (Llama); `post` on
-    their outputs, before the residual add (OLMo 2); `pre_post` both (Gemma 2/3)."""
-    norm_scale: Literal["weight", "one_plus_weight"] = "weight"
-    """Every RMSNorm multiplies by its weight w, or by 1 + w computed in float32 (Gemma; w starts at 0)."""
-    activation: Literal["silu", "gelu_tanh"] = "silu"
-    """The gated MLP's activation: SwiGLU (silu) or GeGLU with tanh-approximated GELU (Gemma)."""
-    scale_embeddings: bool = False
-    """Token embeddings times sqrt(d_model), rounded to the compute dtype (Gemma)."""
-    query_pre_attn_scalar: Optional[int] = None
-    """Attention scores scaled by query_pre_attn_scalar**-0.5 instead of head_size**-0.5 (Gemma)."""
-    attn_softcap: Optional[float] = None
-    """Attention scores soft-capped to c * tanh(s / c) before the mask (Gemma 2's
-    attn_logit_softcapping); null: none. Not with attention=cudnn (its kernel has no cap)."""
-    final_softcap: Optional[float] = None
-    """Output logits soft-capped to c * tanh(logits / c) (Gemma 2's final_logit_softcapping)."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
-    moe: MoeConfig = field(default_factory=MoeConfig)
-    """Mixture of experts (off unless moe.n_experts > 1)."""
-    mla: Optional[MlaConfig] = None
-    """Multi-head latent attention (DeepSeek-V2/V3) instead of grouped-query attention; null: off.
-    Then n_kv_heads = n_heads and head_dim is unused."""
-
-    @property
-    def head_size(self) -> int:
-        """Attention head size E: head_dim, or d_model / n_heads; with mla the larger of the
-        query/key and value head sizes (the smaller padded with zeros)."""
-        if self.mla is not None:
-            a = self.mla
-            return max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim)
-        return self.head_dim or self.d_model // self.n_heads
-
-
-@dataclass(frozen=True)
 class MixtureEntry:
     """One dataset of a mixture: a `shardtrain prepare` output directory and its sampling weight."""
 
@@ -361,7 +178,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """The pipeline schedule over mesh.pipeline stages (shardtrain/pipeline.py); used only when
+    """The pipeline schedule over mesh.pipeline stages (shardtrain/parallel/pipeline.py); used only when
     mesh.pipeline > 1."""
 
     schedule: Literal["gpipe", "circular"] = "gpipe"
@@ -376,7 +193,7 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class CommConfig:
-    """How the data-parallel replicas communicate (shardtrain/comm.py). The default (float32,
+    """How the data-parallel replicas communicate (shardtrain/parallel/comm.py). The default (float32,
     every_step) is GSPMD's own synchronous step; anything else swaps in a hand-written one."""
 
     grad_reduce_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
@@ -399,7 +216,7 @@ class CommConfig:
 
 @dataclass(frozen=True)
 class WatchdogConfig:
-    """Hangs and stragglers (shardtrain/health.py). A hang: no step finished for
+    """Hangs and stragglers (shardtrain/runtime/health.py). A hang: no step finished for
     max(hang_factor x the median step time, hang_min_s), or startup_s before the first step of a
     start; every process then writes its Python stacks to run_dir and exits 70."""
 
@@ -516,7 +333,7 @@ class HardwareConfig:
     without GPUs: the `gpu` extra), else on the devices present."""
 
     chip: Optional[str] = None
-    """A chip of shardtrain/plan/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, b200, cpu); None: the devices
+    """A chip of shardtrain/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, b200, cpu); None: the devices
     present."""
     topology: Optional[str] = None
     """TPU chips per dimension of one slice, e.g. "16x16" (v5e-256) or "4x4x8" (v5p-256); for GPUs NODESxGPUS,

@@ -2,8 +2,9 @@
 
 The loader has already checked each value's type; what is left is what needs more than one field
 (a divisor, a range, a setting that only some other setting allows). Each check raises one
-ConfigError line naming the field and the fix. Checks that need the devices live in mesh.py,
-checks that need the model's shapes in step.py / pipeline.py / comm.py.
+ConfigError line naming the field and the fix. Checks that need the devices live in parallel/mesh.py,
+checks that need the model (its shapes, the weights LoRA can adapt) in parallel/sharding.py, step.py,
+parallel/pipeline.py and parallel/comm.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import dataclasses
 import difflib
 import math
 
+from shardtrain.chips import CHIPS
+from shardtrain.config.model import ModelConfig, MoeConfig
 from shardtrain.config.schema import (
     MESH_AXES,
     CheckpointConfig,
@@ -19,8 +22,6 @@ from shardtrain.config.schema import (
     ConfigError,
     DataConfig,
     MeshConfig,
-    ModelConfig,
-    MoeConfig,
     OptimizerConfig,
     PipelineConfig,
     RulesConfig,
@@ -202,29 +203,15 @@ def validate_moe(e: MoeConfig, n_layers: int) -> None:
 
 
 def validate_lora(m: ModelConfig, comm: CommConfig) -> None:
-    # Imported here, not at the top: the CLI imports this package before it picks jax's platform
-    # (cli.skip_absent_accelerators), and importing models imports jax.
-    from models.gpt import LORA_TARGETS
-
+    """The adapter settings the config alone decides; which weights a model can adapt is the model's to
+    say, checked where the model is known (parallel/sharding.check_adapters)."""
     lora = m.lora
-    for target in lora.targets:
-        if target not in LORA_TARGETS and target not in LORA_TARGETS.values():
-            raise ConfigError(f"model.lora.targets: unknown weight '{target}'; choose from "
-                              f"{', '.join(LORA_TARGETS)} (or {', '.join(LORA_TARGETS.values())})")
     if lora.rank < 0:
         raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {lora.rank}")
     if lora.rank > 0 and (comm.sync != "every_step" or comm.grad_reduce_dtype != "float32"):
         raise ConfigError("model.lora.rank > 0 needs train.comm.sync=every_step and "
                           "train.comm.grad_reduce_dtype=float32 "
                           "(LoRA with local SGD or compressed gradients is not supported yet)")
-    qkv = [p for p in lora.target_params() if p in ("wk_dke", "wv_dke")]
-    if m.mla is not None and lora.rank > 0 and qkv:
-        raise ConfigError(f"model.lora.targets: {', '.join(qkv)} are grouped-query weights, which latent attention "
-                          "(model.mla) does not have; adapt wo_hed (or wq_dhe without q_lora_rank)")
-    moe_lora = [p for p in lora.target_params() if p.startswith("w_") and p.endswith(("_df", "_fd"))]
-    if m.moe.n_experts > 1 and moe_lora:
-        raise ConfigError(f"model.lora.targets: {', '.join(moe_lora)} are dense-MLP weights, which an MoE model "
-                          "(model.moe.n_experts > 1) does not have; adapt attention weights only")
 
 
 def validate_run_dir(run_dir: str | None) -> None:
@@ -236,8 +223,6 @@ def validate_run_dir(run_dir: str | None) -> None:
 def validate_hardware(cfg: RunConfig, with_mesh: bool = True) -> None:
     """The hardware section, and (with_mesh) mesh.dcn against its slices or nodes: `plan` checks that
     once its flags (--chip, --topology, --slices) have replaced the config's."""
-    from shardtrain.plan.chips import CHIPS  # figures only: imports nothing from shardtrain
-
     hw = cfg.hardware
     if hw.chip is not None and hw.chip not in CHIPS:
         close = difflib.get_close_matches(hw.chip, CHIPS, n=1)

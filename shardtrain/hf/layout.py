@@ -53,7 +53,7 @@ class Entry:
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
     first: int = 0
-    """Layered entries of a stage (models.Stages): our layer i is HF layer first + i ..."""
+    """Layered entries of a stage (models.layers.Stages): our layer i is HF layer first + i ..."""
     count: int | None = None
     """... for `count` layers (None: all the model's)."""
 
@@ -85,7 +85,7 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
     k = m.moe.first_dense_layers if m.moe.n_experts > 1 else 0
     if not k:
         return model_map(m)
-    # DeepSeek: blocks/dense holds HF layers 0..k-1, blocks/sparse the others (models.Stages)
+    # DeepSeek: blocks/dense holds HF layers 0..k-1, blocks/sparse the others (models.layers.Stages)
     dense = dataclasses.replace(m, d_ff=m.moe.dense_d_ff or m.d_ff, moe=dataclasses.replace(m.moe, n_experts=0))
     out = [dataclasses.replace(e, ours=("blocks", "dense", *e.ours[1:]), count=k)
            for e in model_map(dense) if e.layered]

@@ -1,5 +1,5 @@
 """The tokenizer that goes with a set of weights and its special tokens, found along the chain of
-directories the weights came through (`weights.Source.dirs`): the run directory, then
+directories the weights came through (`shardtrain.weights.WeightSource.dirs`): the run directory, then
 checkpoint.init_from (an HF or import-hf directory, or another run with its own chain), then the
 run's prepared data (a `shardtrain prepare` output: its tokenizer.json, and the EOS its
 manifest.json names). `generate` encodes with it and stops at its EOS; `export-hf` writes it with

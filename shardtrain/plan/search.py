@@ -25,9 +25,10 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from shardtrain import mesh as mesh_lib, sharding, step as step_lib
+from shardtrain import chips as chips_lib, step as step_lib
 from shardtrain.config import MESH_AXES, ConfigError, DcnConfig, MeshConfig, RunConfig, dump, validate
-from shardtrain.plan import chips as chips_lib, planner
+from shardtrain.parallel import mesh as mesh_lib, sharding
+from shardtrain.plan import planner
 
 
 def divisors(n: int) -> list[int]:

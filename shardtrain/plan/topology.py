@@ -22,8 +22,8 @@ import importlib.util
 import math
 import os
 
+from shardtrain.chips import Chip
 from shardtrain.config import ConfigError
-from shardtrain.plan.chips import Chip
 
 
 def tpu_present() -> bool:

@@ -15,8 +15,9 @@ import pytest
 from orbax.checkpoint.path import atomicity
 
 import conftest
-from shardtrain import config, loop, mesh as mesh_lib, step as step_lib
+from shardtrain import config, loop, step as step_lib
 from shardtrain.checkpoint import diagnose, listing, manager
+from shardtrain.parallel import mesh as mesh_lib
 
 TINY = [*conftest.TINY, "model.name=mlp", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 

@@ -15,9 +15,10 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, processors, trainers
 
 import models
-from shardtrain import cli, generate, mesh as mesh_lib, step
+from shardtrain import cli, generate, step
 from shardtrain.config import ConfigError
 from shardtrain.data import chat, prepare, token_shards, tokenize
+from shardtrain.parallel import mesh as mesh_lib, sharding
 
 SPECIAL = ["<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 PLAIN = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
@@ -147,7 +148,7 @@ def test_train_step_loss_is_the_mean_over_assistant_tokens_sharded_and_one_devic
     state["params"] = jax.device_put(params, prog.state_shardings["params"])
     sharded = float(prog.step(state, prog.device_batch(batch))[1]["loss"])
 
-    model = nnx.merge(nnx.split(step.abstract_model(cfg))[0], params)  # unsharded, on one device
+    model = nnx.merge(nnx.split(sharding.abstract_model(cfg))[0], params)  # unsharded, on one device
     # each conversation alone in its own row, right-padded (causal: padding never reaches earlier
     # positions); the loss counts the positions whose target is an assistant token
     ids_nt, mask_nt = np.zeros((len(pieces), 24), np.int32), np.zeros((len(pieces), 24), np.int32)

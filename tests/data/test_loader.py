@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from prepared_data import cfg_for, run_cli
-from shardtrain import mesh as mesh_lib, step
+from shardtrain import step
 from shardtrain.config import ConfigError
 from shardtrain.data import loader, prepare, token_shards
+from shardtrain.parallel import mesh as mesh_lib
 
 
 def test_rows_of_two_processes_are_disjoint_and_make_the_batch(prepared, cfg_factory):

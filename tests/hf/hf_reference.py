@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from shardtrain import config, mesh as mesh_lib, sharding
+from shardtrain import config
+from shardtrain.parallel import mesh as mesh_lib, sharding
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_full_q"]

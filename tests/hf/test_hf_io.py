@@ -8,10 +8,10 @@ import jax
 import pytest
 from hf_reference import FIXTURES
 
-from shardtrain import cli, config, mesh as mesh_lib, step
+from shardtrain import cli, config, step, weights
 from shardtrain.config import ConfigError
-from shardtrain.hf import weights
 from shardtrain.hf.io import HfDir
+from shardtrain.parallel import mesh as mesh_lib
 
 
 def test_bad_hf_directories_fail_before_any_work(tmp_path):

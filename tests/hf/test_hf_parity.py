@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 from hf_reference import FAMILIES, FIXTURES, MOE_FAMILIES, our_logits, reference
 
-from shardtrain import cli, config, generate
+from shardtrain import cli, config, generate, weights
 from shardtrain.config import ConfigError
-from shardtrain.hf import weights
 
 
 @pytest.mark.parametrize("family", FAMILIES)

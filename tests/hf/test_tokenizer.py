@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from shardtrain import config, generate
+from shardtrain import config, generate, weights
 from shardtrain.checkpoint import manager
 from shardtrain.config import ConfigError
 from shardtrain.data import loader, tokenize
-from shardtrain.hf import tokenizer as hf_tokenizer, weights
+from shardtrain.hf import tokenizer as hf_tokenizer
 
 
 @pytest.fixture(scope="module")

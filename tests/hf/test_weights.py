@@ -1,4 +1,4 @@
-"""Weight sources, import-hf and export-hf (hf/weights.py), LoRA fine-tuning from an import."""
+"""Weight sources, import-hf and export-hf (shardtrain/weights.py), LoRA fine-tuning from an import."""
 
 import dataclasses
 import json
@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 from hf_reference import FIXTURES, NEW_FAMILIES, our_logits, reference
 
-from shardtrain import cli, config, mesh as mesh_lib, sharding
+import models
+from shardtrain import cli, config, weights
 from shardtrain.config import ConfigError
-from shardtrain.hf import safetensors_io, weights
+from shardtrain.hf import safetensors_io
 from shardtrain.hf.config import model_config
 from shardtrain.hf.io import HfDir, safetensors_files
+from shardtrain.parallel import mesh as mesh_lib, sharding
 
 
 def test_import_then_export_round_trips_bit_exactly(tmp_path, monkeypatch, capfd):
@@ -109,12 +111,27 @@ def test_lora_fine_tune_from_import_then_merged_export(tmp_path, capsys):
 
 
 def test_lora_config_mistakes():
-    with pytest.raises(ConfigError, match="model.lora.targets: unknown weight 'q'; choose from wq_dhe, "):
-        config.load(None, ["model.lora.rank=4", "model.lora.targets=[q,wq_dhe]"])
+    """The config checks the adapter settings; the model says which weights it has (checked when the
+    layout is built, before anything is compiled)."""
+    def check(*overrides):
+        sharding.check_adapters(config.load(None, ["model.lora.rank=4", *overrides]))
+    with pytest.raises(ConfigError, match="model.lora.targets: unknown weight 'q' for this model; choose from wq_dhe"):
+        check("model.lora.targets=[q,wq_dhe]")
+    with pytest.raises(ConfigError, match="model.lora.targets: unknown weight 'q'"):
+        sharding.abstract_model(config.load(None, ["model.lora.rank=4", "model.lora.targets=[q]"]))
+    with pytest.raises(ConfigError, match="unknown weight 'wk_dke' for this model; choose from wq_dhe, wo_hed, "):
+        check("model.mla.kv_lora_rank=8", "model.lora.targets=[wk_dke]")
+    with pytest.raises(ConfigError, match=r"unknown weight 'up_proj' for this model; choose from wq_dhe, wk_dke, "
+                                          r"wv_dke, wo_hed \(or q_proj"):
+        check("model.moe.n_experts=4", "model.lora.targets=[up_proj]")
+    with pytest.raises(ConfigError, match="model.name=mlp has no weights LoRA can adapt"):
+        check("model.name=mlp")
     with pytest.raises(ConfigError, match="model.lora.rank > 0 needs train.comm.sync=every_step"):
         config.load(None, ["model.lora.rank=4", "train.comm.sync=local_sgd"])
-    lora = config.load(None, ["model.lora.rank=4", "model.lora.targets=[q_proj,w_up_df]"]).model.lora
-    assert lora.target_params() == ("wq_dhe", "w_up_df")
+    model = config.load(None, ["model.lora.rank=4", "model.lora.targets=[q_proj,w_up_df]"]).model
+    assert models.adapted_weights(model) == ("wq_dhe", "w_up_df")
+    check("model.lora.targets=[q_proj,w_up_df]")  # passes
+    sharding.check_adapters(config.load(None, ["model.name=mlp"]))  # rank 0: nothing adapted, nothing to check
 
 
 def test_find_reads_each_safetensors_header_once(monkeypatch):

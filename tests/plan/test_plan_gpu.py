@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from conftest import TINY
-from shardtrain import config, mesh as mesh_lib, step
-from shardtrain.plan import chips, hlo, planner, topology
+from shardtrain import chips, config, step
+from shardtrain.parallel import mesh as mesh_lib
+from shardtrain.plan import hlo, planner, topology
 
 pytestmark = pytest.mark.skipif(not topology.cuda_plugin_installed(), reason="the gpu extra is not installed")
 

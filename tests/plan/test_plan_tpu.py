@@ -4,22 +4,19 @@ per-chip argument bytes against the analytical shard bytes, the TPU's collective
 
 import functools
 import glob
-import hashlib
-import importlib.metadata
 import json
-import os
-import re
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import jax
 import pytest
 
 from conftest import cli_env
-from shardtrain import cli, config, mesh as mesh_lib, sharding, step
-from shardtrain.plan import chips, hlo, planner, topology
+from fit_memo import compiled_figures
+from shardtrain import chips, cli, config, step
+from shardtrain.parallel import mesh as mesh_lib, sharding
+from shardtrain.plan import hlo, planner, topology
 
 # An MLP whose sharded dimensions are 4 x 128 (TPU arrays are tiled by 8 x 128: with smaller
 # dimensions the compiler pads them and the bytes are the padded ones), one layer, rows of 128 tokens.
@@ -199,36 +196,6 @@ def test_every_shipped_config_fits_the_hardware_it_names(path):
     assert r["chip"] == chip and r["compiler"] == ("gpu" if chips.CHIPS[chip].gpu else "cpu")
     assert r["fits"], f"{path}: {r['memory_per_device_bytes']['total'] / 2 ** 30:.2f} GiB per device"
     assert 0 < r["estimate"]["mfu"] <= 1
-
-
-COMPILED_FITS = Path(__file__).parents[1] / "golden" / "compiled_fits.json"
-
-
-def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
-    """The compiled program's memory per chip and MFU, memoized in tests/golden/compiled_fits.json
-    under the sha256 of its lowered text, the compilers' versions, the XLA / libtpu flags and the
-    planner's own code (shardtrain/plan, which reads the figures off the compiled program): the same
-    key gives the same figures, so only a config whose program or planner changed pays the compile
-    (minutes on CI's 2 cores); UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
-    lowered = prog.lower()
-    versions = [f"{m}={importlib.metadata.version(m)}" for m in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin")]
-    flags = [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]
-    # left out: the Python object id that names custom_partitioning's callback (cuDNN attention), and
-    # Pallas kernels' bodies (Mosaic bytecode with the kernel's source paths; what a kernel reads and
-    # writes in HBM, its operands and results, stays in the text)
-    text = re.sub(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"', r'\1"callback"', lowered.as_text())
-    text = re.sub(r'\\22body\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-body", text)
-    reader = [p.read_text() for p in sorted(Path(planner.__file__).parent.rglob("*.py"))]
-    key = hashlib.sha256("\n".join([*versions, *flags, *reader, text]).encode()).hexdigest()[:16]
-    records = json.loads(COMPILED_FITS.read_text())
-    if records.get(path, {}).get("key") == key:
-        return records[path]
-    r = planner.report(prog, planner.compile_fast(lowered, prog.mesh.devices.flat[0].platform), chip, 0.0)
-    figures = {"key": key, "compiler": r["compiler"], "total": r["memory_per_device_bytes"]["total"],
-               "mfu": r["estimate"]["mfu"]}
-    if os.environ.get("UPDATE_GOLDEN") == "1":
-        COMPILED_FITS.write_text(json.dumps({**records, path: figures}, indent=1, sort_keys=True) + "\n")
-    return figures
 
 
 @pytest.mark.slow

@@ -10,8 +10,9 @@ import jax
 import pytest
 
 from conftest import TINY, cli_env
-from shardtrain import cli, config, mesh as mesh_lib, pipeline, step
-from shardtrain.plan import chips, hlo, planner
+from shardtrain import chips, cli, config, step
+from shardtrain.parallel import mesh as mesh_lib, pipeline
+from shardtrain.plan import hlo, planner
 
 MESHES = {"data": (8, 1, 1), "fsdp": (1, 8, 1), "tensor": (2, 1, 4), "combined": (2, 2, 2)}
 

@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from conftest import TINY
-from shardtrain import config
-from shardtrain.plan import chips, planner, search
+from shardtrain import chips, config
+from shardtrain.plan import planner, search
 
 
 def mlp_cfg(data, fsdp, tensor):

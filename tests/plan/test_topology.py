@@ -4,8 +4,8 @@ for topologies that do not exist."""
 import jax
 import pytest
 
-from shardtrain import config
-from shardtrain.plan import chips, planner, topology
+from shardtrain import chips, config
+from shardtrain.plan import planner, topology
 
 
 def test_chip_count_is_the_product_of_the_dimensions_times_the_slices():

@@ -17,17 +17,17 @@ Here `hlo.collectives` is the function; its module is `shardtrain.plan.hlo.colle
 """
 
 from shardtrain.plan.hlo.collectives import (
-                                             KINDS,
-                                             Collective,
-                                             collectives,
-                                             conditional_branches,
-                                             dcn_reductions,
-                                             device_groups,
-                                             group_axes,
-                                             lowered_collectives,
-                                             ring_factor,
-                                             summarize,
-                                             traffic_by_axes,
+           KINDS,
+           Collective,
+           collectives,
+           conditional_branches,
+           dcn_reductions,
+           device_groups,
+           group_axes,
+           lowered_collectives,
+           ring_factor,
+           summarize,
+           traffic_by_axes,
 )
 from shardtrain.plan.hlo.cost import LoopBody, loop_bodies, loop_repeats_cost, matmul_flops_by_dtype, program_cost
 from shardtrain.plan.hlo.parse import DTYPE_BYTES, Instr, Module, arrays, loop_trip_counts, multipliers, parse_module

@@ -24,17 +24,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from shardtrain.plan.hlo.parse import (
-    Instr,
-    Module,
-    as_module,
-    callees,
-    dims,
-    fusion_callee,
-    multipliers,
-    root,
-    size,
-)
+from shardtrain.plan.hlo.parse import Instr, Module, as_module, callees, dims, fusion_callee, multipliers, root, size
 
 _NO_MEMORY = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
               "after-all", "partition-id", "replica-id"}

@@ -1,0 +1,43 @@
+"""The memo of the large configs' fit check (tests/plan/test_plan_tpu.py): a TPU or XLA:GPU compile
+takes minutes on CI's 2 cores, and the same program, compilers, flags and planner give the same
+figures, so they are recorded in tests/golden/compiled_fits.json under a hash of all of those."""
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+from pathlib import Path
+
+from shardtrain import chips, step
+from shardtrain.plan import planner
+
+COMPILED_FITS = Path(__file__).parents[1] / "golden" / "compiled_fits.json"
+
+
+def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
+    """The compiled program's memory per chip and MFU, memoized in tests/golden/compiled_fits.json
+    under the sha256 of its lowered text, the compilers' versions, the XLA / libtpu flags and the
+    planner's own code (shardtrain/plan, which reads the figures off the compiled program, and
+    shardtrain/chips.py, the chip table it divides by): the same key gives the same figures, so only a
+    config whose program or planner changed pays the compile (minutes on CI's 2 cores);
+    UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
+    lowered = prog.lower()
+    versions = [f"{m}={importlib.metadata.version(m)}" for m in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin")]
+    flags = [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]
+    # left out: the Python object id that names custom_partitioning's callback (cuDNN attention), and
+    # Pallas kernels' bodies (Mosaic bytecode with the kernel's source paths; what a kernel reads and
+    # writes in HBM, its operands and results, stays in the text)
+    text = re.sub(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"', r'\1"callback"', lowered.as_text())
+    text = re.sub(r'\\22body\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-body", text)
+    reader = [p.read_text() for p in [*sorted(Path(planner.__file__).parent.rglob("*.py")), Path(chips.__file__)]]
+    key = hashlib.sha256("\n".join([*versions, *flags, *reader, text]).encode()).hexdigest()[:16]
+    records = json.loads(COMPILED_FITS.read_text())
+    if records.get(path, {}).get("key") == key:
+        return records[path]
+    r = planner.report(prog, planner.compile_fast(lowered, prog.mesh.devices.flat[0].platform), chip, 0.0)
+    figures = {"key": key, "compiler": r["compiler"], "total": r["memory_per_device_bytes"]["total"],
+               "mfu": r["estimate"]["mfu"]}
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        COMPILED_FITS.write_text(json.dumps({**records, path: figures}, indent=1, sort_keys=True) + "\n")
+    return figures
