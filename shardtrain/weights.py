@@ -251,12 +251,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     config_lib.validate(cfg)
     layout = fsdp_layout(cfg, "import-hf")
     params = src.params(layout.params)
-    state = {"params": params, "step": jnp.zeros((), jnp.int32)}  # the optimizer state starts where it is used
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    ckpt = manager.Checkpointer(cfg, abstract, layout.mesh.shape)
-    ckpt.save(0, state)
-    ckpt.wait()
-    ckpt.close()
+    save_params(cfg, layout, params)
     write_run_config(cfg, out / "config.yaml", header=FINE_TUNE_HINT.format(out=out))
     shutil.copyfile(src.dir / "config.json", out / HF_CONFIG)
     hf_tokenizer.copy_side_files(src.dir, out)
@@ -265,6 +260,18 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     eos = f"EOS {found.eos_token!r} (id {found.eos_ids[0]})" if found.eos_ids else "no EOS token known"
     say(f"imported {src.family.architecture} ({n / 1e6:.2f}M parameters, {eos}) from {src.dir} to {out} in "
         f"{time.perf_counter() - t0:.1f} s; fine-tune: {FINE_TUNE_HINT.format(out=out)}")
+
+
+def save_params(cfg: config_lib.RunConfig, layout: sharding.ParamLayout, params: dict) -> None:
+    """`params` (in the layout's shardings) as step 0 of cfg's checkpoints, with no optimizer state:
+    what import-hf writes and `checkpoint.init_from` reads back (the optimizer state starts where it is
+    used)."""
+    state = {"params": params, "step": jnp.zeros((), jnp.int32)}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    ckpt = manager.Checkpointer(cfg, abstract, layout.mesh.shape)
+    ckpt.save(0, state)
+    ckpt.wait()
+    ckpt.close()
 
 
 def parse_bytes(text: str) -> int:

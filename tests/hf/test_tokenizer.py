@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import pytest
 
 from shardtrain import config, generate, weights
-from shardtrain.checkpoint import manager
 from shardtrain.config import ConfigError
 from shardtrain.data import loader, tokenize
 from shardtrain.hf import tokenizer as hf_tokenizer
@@ -24,13 +23,8 @@ def scratch_run(prepared, tmp_path_factory):
                              "model.n_layers=1", "model.d_ff=64", "data.source=tokens", f"data.path={prepared}",
                              "data.seq_len=15", "train.global_batch_size=8"])
     layout = weights.fsdp_layout(cfg)
-    state = {"params": jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), layout.params),
-             "step": jnp.zeros((), jnp.int32)}
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    ckpt = manager.Checkpointer(cfg, abstract, layout.mesh.shape)
-    ckpt.save(0, state)
-    ckpt.wait()
-    ckpt.close()
+    weights.save_params(cfg, layout, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
+                                                  layout.params))
     return run
 
 
