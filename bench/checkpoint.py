@@ -14,26 +14,41 @@ Measures, all in one run so that the ratios share the machine's load:
   3. restore ratio: `Checkpointer.restore` (metadata check + orbax restore into the sharded
      train state) over reading the same arrays straight from the checkpoint with tensorstore
      (all arrays opened and read concurrently into host memory).
+Record: bench/results/checkpoint.jsonl.
 """
 
 from __future__ import annotations
 
+import harness  # isort: split
+
 import argparse
 import dataclasses
 import os
+import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import tensorstore as ts
 
-import jax  # noqa: E402
-import tensorstore as ts  # noqa: E402
+from shardtrain import config, step as step_lib
+from shardtrain.checkpoint import manager
+from shardtrain.parallel import mesh as mesh_lib
 
-from shardtrain import config, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
-from shardtrain.checkpoint import manager  # noqa: E402
+med = statistics.median
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--saves", type=int, default=4, help="saves measured after the first")
+    p.add_argument("--niceness", type=int, default=19,
+                   help="checkpoint.writer_niceness (0: writer at the step's priority)")
+    p.add_argument("--compare", action="store_true",
+                   help="measure saving with replica-parallel off (the single-process default) and on, interleaved")
+    return p.parse_args()
 
 
 def tensorstore_read(step_dir: str, names: list[str]) -> float:
@@ -47,76 +62,85 @@ def tensorstore_read(step_dir: str, names: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--saves", type=int, default=4, help="saves measured after the first")
-    p.add_argument("--niceness", type=int, default=19,
-                   help="checkpoint.writer_niceness (0: writer at the step's priority)")
-    p.add_argument("--compare", action="store_true",
-                   help="measure saving with replica-parallel off (the single-process default) and on, interleaved")
-    args = p.parse_args()
+class Trainer:
+    """The compiled train step of the benchmark's model on one batch, and its state."""
 
-    root = tempfile.mkdtemp(prefix="bench_ckpt_")
-    cfg = config.load("meshes/demo.yaml", [
-        f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.d_ff={4 * args.d_model}",
-        "model.n_heads=8", "model.n_kv_heads=8", "data.source=synthetic", "data.seq_len=16",
-        "train.global_batch_size=8", "checkpoint.max_to_keep=2", f"checkpoint.writer_niceness={args.niceness}",
-        f"run_dir={root}"])
-    prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-    compiled = prog.lower().compile()
-    state = prog.init(0)
-    state_mb = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6
-    batch = loop.bare_loop_batches(prog, 1)[0]
-    variants = {"replica-parallel off": False, "replica-parallel on": True} if args.compare else {"default": None}
-    ckpts = {}
-    for name, replica_parallel in variants.items():  # one checkpoint directory per variant
-        run_dir = os.path.join(root, name.replace(" ", "_"))
-        ckpts[name] = manager.Checkpointer(
-            dataclasses.replace(cfg, run_dir=run_dir), prog.abstract_state, prog.mesh.shape, replica_parallel)
+    def __init__(self, args, root: str):
+        self.cfg = config.load("meshes/demo.yaml", [
+            f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.d_ff={4 * args.d_model}",
+            "model.n_heads=8", "model.n_kv_heads=8", "data.source=synthetic", "data.seq_len=16",
+            "train.global_batch_size=8", "checkpoint.max_to_keep=2", f"checkpoint.writer_niceness={args.niceness}",
+            f"run_dir={root}"])
+        self.prog = step_lib.build(self.cfg, mesh_lib.make_mesh(self.cfg.mesh))
+        self.compiled = self.prog.lower().compile()
+        self.state = self.prog.init(0)
+        self.batch = harness.bare_loop_batches(self.prog, 1)[0]
 
-    def train_step() -> float:
-        nonlocal state
+    def step(self) -> float:
+        """Seconds of one train step, waited for."""
         t0 = time.perf_counter()
-        state, metrics = compiled(state, batch)
+        self.state, metrics = self.compiled(self.state, self.batch)
         jax.block_until_ready(metrics["loss"])
         return time.perf_counter() - t0
 
-    for _ in range(3):
-        train_step()
-    first_save = {}
+
+def checkpointers(trainer: Trainer, root: str, compare: bool) -> dict[str, manager.Checkpointer]:
+    """One Checkpointer per variant, each with its own checkpoint directory."""
+    variants = {"replica-parallel off": False, "replica-parallel on": True} if compare else {"default": None}
+    return {name: manager.Checkpointer(dataclasses.replace(trainer.cfg, run_dir=os.path.join(root, name.replace(
+        " ", "_"))), trainer.prog.abstract_state, trainer.prog.mesh.shape, replica_parallel)
+        for name, replica_parallel in variants.items()}
+
+
+def first_saves(trainer: Trainer, ckpts: dict) -> dict[str, float]:
+    """Seconds of each variant's first save (slower: creates directories, warms orbax/tensorstore)."""
+    out = {}
     for name, ckpt in ckpts.items():
         t0 = time.perf_counter()
-        ckpt.save(1, state)  # the first save (slower: creates directories, warms orbax/tensorstore)
+        ckpt.save(1, trainer.state)
         ckpt.wait()
-        first_save[name] = time.perf_counter() - t0
+        out[name] = time.perf_counter() - t0
+    return out
 
-    blocking, whole, in_flight = ({name: [] for name in ckpts} for _ in range(3))
-    without = []
-    step = 1
-    for r in range(args.saves):
-        order = list(ckpts.items())[::-1 if r % 2 else 1]  # variants interleaved, first in turn
-        for name, ckpt in order:
-            step += 1
-            t0 = time.perf_counter()  # a whole save, nothing else running
-            ckpt.save(step, state)
-            ckpt.wait()
-            whole[name].append(time.perf_counter() - t0)
 
-            step += 1
-            t0 = time.perf_counter()  # an async save with training steps running beside it
-            ckpt.save(step, state)
-            blocking[name].append(time.perf_counter() - t0)
-            n = 0
-            while ckpt.manager.is_saving_in_progress() or n == 0:
-                in_flight[name].append(train_step())
-                ckpt.check()  # as the trainer does after each step
-                n += 1
-            ckpt.wait()
-            without += [train_step() for _ in range(max(n, 3))]
+def save_round(trainer: Trainer, ckpt, steps: list[int]) -> dict:
+    """One measured save of one variant: a whole save with nothing else running, then an async save
+    with training steps beside it until it commits, then as many steps without a save."""
+    steps[0] += 1
+    t0 = time.perf_counter()
+    ckpt.save(steps[0], trainer.state)
+    ckpt.wait()
+    whole = time.perf_counter() - t0
 
-    ckpt = next(iter(ckpts.values()))
+    steps[0] += 1
+    t0 = time.perf_counter()
+    ckpt.save(steps[0], trainer.state)
+    blocking = time.perf_counter() - t0
+    in_flight = []
+    while ckpt.manager.is_saving_in_progress() or not in_flight:
+        in_flight.append(trainer.step())
+        ckpt.check()  # as the trainer does after each step
+    ckpt.wait()
+    without = [trainer.step() for _ in range(max(len(in_flight), 3))]
+    return {"whole": whole, "blocking": blocking, "in_flight": in_flight, "without": without}
+
+
+def measure_saves(trainer: Trainer, ckpts: dict, saves: int) -> dict[str, dict[str, list]]:
+    """{variant: {whole, blocking: [s per save], in_flight: [step s]}, "without": [step s, all variants]},
+    the variants interleaved save by save, the first in turn."""
+    steps = [1]  # the last step saved, shared by the variants
+    rounds = harness.interleaved({name: lambda c=ckpt: save_round(trainer, c, steps) for name, ckpt in ckpts.items()},
+                                 saves, alternate=True)
+    out = {}
+    for name, rs in rounds.items():
+        out[name] = {"whole": [r["whole"] for r in rs], "blocking": [r["blocking"] for r in rs],
+                     "in_flight": harness.flat([r["in_flight"] for r in rs])}
+    out["without"] = harness.flat([r["without"] for rs in rounds.values() for r in rs])
+    return out
+
+
+def measure_restore(ckpt) -> dict:
+    """Medians of 3 alternating runs: Checkpointer.restore of the latest step and a tensorstore read."""
     latest = ckpt.latest_step()
     names = [m.name for m in jax.tree.leaves(ckpt.manager.item_metadata(latest)["state"].tree)]
     restore, direct = [], []
@@ -127,25 +151,57 @@ def main() -> None:
         restore.append(time.perf_counter() - t0)
         del restored
         direct.append(tensorstore_read(f"{ckpt.dir}/{latest}", names))
+    return {"arrays": len(names), "restore_s": med(restore), "tensorstore_s": med(direct),
+            "ratio": med(restore) / med(direct)}
+
+
+def figures(m: dict, without: list[float], first: float, saves: int) -> dict:
+    """One variant's figures, as printed."""
+    blocking, whole, in_flight = m["blocking"], m["whole"], m["in_flight"]
+    return {"first_save_s": first, "blocking_s": med(blocking), "blocking_min_s": min(blocking),
+            "blocking_max_s": max(blocking), "whole_save_s": med(whole),
+            "blocking_fraction": med(blocking) / med(whole),
+            "step_in_flight_s": med(in_flight), "steps_in_flight": len(in_flight), "step_without_s": med(without),
+            "steps_without": len(without), "step_ratio": med(in_flight) / med(without),
+            "steps_per_save": len(in_flight) / saves,
+            "lost_per_save_s": (sum(in_flight) - len(in_flight) * med(without)) / saves}
+
+
+def report(f: dict, restore: dict, saves: int) -> None:
+    for name, v in f.items():
+        print(f"[{name}] first save (blocking + commit): {v['first_save_s']:.2f} s")
+        print(f"[{name}] save() blocking: median {v['blocking_s']:.3f} s over {saves} saves "
+              f"(min {v['blocking_min_s']:.3f}, max {v['blocking_max_s']:.3f}); whole save median "
+              f"{v['whole_save_s']:.2f} s; blocking fraction {v['blocking_fraction']:.3f} (goal <= 0.05)")
+        print(f"[{name}] step time: median {v['step_in_flight_s']:.3f} s with a save in flight "
+              f"({v['steps_in_flight']} steps), {v['step_without_s']:.3f} s without ({v['steps_without']} steps, "
+              f"all variants); ratio {v['step_ratio']:.2f} (goal <= 1.10); per save, {v['steps_per_save']:.1f} "
+              f"steps in flight, training time lost {v['lost_per_save_s']:.2f} s")
+    print(f"[{next(iter(f))}] restore: median {restore['restore_s']:.2f} s; tensorstore direct read "
+          f"{restore['tensorstore_s']:.2f} s; ratio {restore['ratio']:.2f}")
+
+
+def main() -> None:
+    args = parse_args()
+    root = tempfile.mkdtemp(prefix="bench_ckpt_")
+    trainer = Trainer(args, root)
+    state_mb = sum(x.nbytes for x in jax.tree.leaves(trainer.state)) / 1e6
+    ckpts = checkpointers(trainer, root, args.compare)
+    for _ in range(3):
+        trainer.step()
+    first = first_saves(trainer, ckpts)
+    saves = measure_saves(trainer, ckpts, args.saves)
+    restore = measure_restore(next(iter(ckpts.values())))
     for c in ckpts.values():
         c.close()
-
-    med = statistics.median
-    print(f"state: {state_mb:.0f} MB ({len(names)} arrays) on {jax.device_count()} devices, "
-          f"mesh {dict(prog.mesh.shape)}")
-    for name in ckpts:
-        print(f"[{name}] first save (blocking + commit): {first_save[name]:.2f} s")
-        print(f"[{name}] save() blocking: median {med(blocking[name]):.3f} s over {len(blocking[name])} saves "
-              f"(min {min(blocking[name]):.3f}, max {max(blocking[name]):.3f}); whole save median "
-              f"{med(whole[name]):.2f} s; blocking fraction {med(blocking[name]) / med(whole[name]):.3f} "
-              "(goal <= 0.05)")
-        print(f"[{name}] step time: median {med(in_flight[name]):.3f} s with a save in flight "
-              f"({len(in_flight[name])} steps), {med(without):.3f} s without ({len(without)} steps, all variants); "
-              f"ratio {med(in_flight[name]) / med(without):.2f} (goal <= 1.10); per save, "
-              f"{len(in_flight[name]) / args.saves:.1f} steps in flight, training time lost "
-              f"{(sum(in_flight[name]) - len(in_flight[name]) * med(without)) / args.saves:.2f} s")
-    print(f"[{next(iter(ckpts))}] restore: median {med(restore):.2f} s; tensorstore direct read {med(direct):.2f} s; "
-          f"ratio {med(restore) / med(direct):.2f}")
+    shutil.rmtree(root, ignore_errors=True)  # the checkpoints: about 0.7 GB
+    mesh = dict(trainer.prog.mesh.shape)
+    print(f"state: {state_mb:.0f} MB ({restore['arrays']} arrays) on {jax.device_count()} devices, mesh {mesh}")
+    f = {name: figures(saves[name], saves["without"], first[name], args.saves) for name in ckpts}
+    report(f, restore, args.saves)
+    harness.record("checkpoint", {"state_mb": state_mb, "variants": f, "restore": restore},
+                   d_model=args.d_model, layers=args.layers, saves=args.saves, niceness=args.niceness,
+                   compare=args.compare, mesh=mesh)
 
 
 if __name__ == "__main__":

@@ -4,21 +4,21 @@ so that the machine's load hits all alike.
 
     python bench/cpu_paths.py [CONFIG] [--steps 12]
 
-Prints the median s/step of each variant and its ratio to the first. Figures: bench/README.md.
+Prints the median s/step of each variant (steps 3 on) and its ratio to the first. Figures:
+bench/README.md; record: bench/results/cpu_paths.jsonl.
 """
 
+import harness  # isort: split
+
+import argparse
 import os
+import statistics
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import jax
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-
-from shardtrain import config, loop, mesh as mesh_lib, step  # noqa: E402
+from shardtrain import config, step
+from shardtrain.parallel import mesh as mesh_lib
 
 VARIANTS = {
     "as before (unrolled, one-hot, xla)": ["train.scan_unroll=4", "model.embed=one_hot", "model.attention=xla",
@@ -32,10 +32,11 @@ VARIANTS = {
 }
 
 
-def prepare(path, overrides, steps):
+def prepare(path, overrides, steps) -> harness.Stepper:
+    """The variant's compiled step, one step per call."""
     cfg = config.load(path, [f"train.steps={steps}", *overrides])
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-    return prog.lower().compile(), prog.init(cfg.train.seed), loop.bare_loop_batches(prog, steps)
+    return harness.Stepper(prog.lower().compile(), prog.init(cfg.train.seed), harness.bare_loop_batches(prog, steps))
 
 
 def main():
@@ -43,20 +44,16 @@ def main():
     ap.add_argument("config", nargs="?", default="meshes/demo.yaml")
     ap.add_argument("--steps", type=int, default=12)
     a = ap.parse_args()
-    runs = {name: prepare(a.config, overrides, a.steps) for name, overrides in VARIANTS.items()}
-    states = {name: run[1] for name, run in runs.items()}
-    times = {name: [] for name in VARIANTS}
-    for i in range(a.steps):
-        for name, (compiled, _, batches) in runs.items():
-            t = time.perf_counter()
-            states[name], metrics = compiled(states[name], batches[i])
-            float(metrics["loss"])
-            times[name].append(time.perf_counter() - t)
-    base = statistics.median(times[next(iter(VARIANTS))][2:])
-    print(f"{a.config} on {jax.device_count()} devices, load {os.getloadavg()[0]:.1f}, median of steps 3-{a.steps}:")
-    for name, ts in times.items():
-        m = statistics.median(ts[2:])
+    load = os.getloadavg()[0]
+    steppers = {name: prepare(a.config, overrides, a.steps) for name, overrides in VARIANTS.items()}
+    times = {name: harness.flat(rounds) for name, rounds in harness.interleaved(steppers, a.steps).items()}
+    medians = {name: statistics.median(ts[2:]) for name, ts in times.items()}
+    base = medians[next(iter(VARIANTS))]
+    print(f"{a.config} on {jax.device_count()} devices, load {load:.1f}, median of steps 3-{a.steps}:")
+    for name, m in medians.items():
         print(f"  {name:40s} {m:.3f} s/step  x{m / base:.2f}")
+    harness.record("cpu_paths", {"s_per_step": medians, "vs_before": {n: m / base for n, m in medians.items()}},
+                   config=a.config, steps=a.steps, variants=VARIANTS)
 
 
 if __name__ == "__main__":

@@ -8,21 +8,23 @@ times over; tokenizer: a 8192-token byte-level BPE trained on it here. RAYON_NUM
 the tokenizer to one core, so both rates are per core. Loader: a prepared directory of 64M
 tokens (2048-token documents' worth of random ids), read as one host of 16 reads its rows:
 global batch 512 x 2048, 32 rows per host, through loader.samples + loader.batches (grain, shuffled).
+Record: bench/results/data.jsonl.
 """
 
+import harness  # isort: split
+
+import argparse
+import glob
+import json
 import os
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
 
-os.environ["RAYON_NUM_THREADS"] = "1"
+import numpy as np
 
-import argparse  # noqa: E402
-import glob  # noqa: E402
-import json  # noqa: E402
-import sysconfig  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
+os.environ["RAYON_NUM_THREADS"] = "1"  # before tokenizers (shardtrain.data.tokenize) is imported
 
 from shardtrain import config  # noqa: E402
 from shardtrain.data import loader, prepare, tokenize  # noqa: E402
@@ -107,8 +109,10 @@ def main():
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         kvstore = {f"kvstore_{k}": v for k, v in bench_loader(Path(tmp), args.steps, url=True).items()}
-        print(json.dumps({**bench_prepare(Path(tmp), args.copies), **bench_loader(Path(tmp), args.steps), **kvstore},
-                         indent=1))
+        figures = {**bench_prepare(Path(tmp), args.copies), **bench_loader(Path(tmp), args.steps), **kvstore}
+    print(json.dumps(figures, indent=1))
+    harness.record("data", figures, copies=args.copies, steps=args.steps,
+                   rayon_num_threads=os.environ["RAYON_NUM_THREADS"])
 
 
 if __name__ == "__main__":

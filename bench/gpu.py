@@ -7,8 +7,11 @@ tokens/s and MFU (model FLOPs / the chip's dense bf16 peak from shardtrain/plan/
 Synthetic data (nothing downloaded), fp32 master weights + AdamW, remat `dots`, chunked loss.
 Prints one JSON line: tokens/s, MFU, step time (median of the steps after the first 5), memory, and
 `shardtrain plan`'s report of the same compiled step (`planned_*`: its memory and roofline step time),
-so that measured and planned sit side by side (bench/README.md, GPU).
+so that measured and planned sit side by side (bench/README.md, GPU); and appends it to
+bench/results/gpu.jsonl (a --smoke run's record says smoke: true).
 """
+
+import harness  # isort: split
 
 import argparse
 import json
@@ -19,8 +22,9 @@ import time
 import jax
 import numpy as np
 
-from shardtrain import config, mesh as mesh_lib, step
-from shardtrain.plan import chips, planner
+from shardtrain import chips, config, step
+from shardtrain.parallel import mesh as mesh_lib
+from shardtrain.plan import planner
 
 ONE_B = ["model.vocab_size=32768", "model.d_model=2048", "model.n_layers=18", "model.n_heads=16",
          "model.n_kv_heads=8", "model.d_ff=7168", "data.seq_len=2048", "train.global_batch_size=8",
@@ -60,7 +64,7 @@ def main(argv=None):
     flops = prog.flops_per_token * tokens_per_s
     mem = compiled.memory_analysis()
     plan = planner.report(prog, compiled, chip or chips.CHIPS["cpu"], compile_s)
-    print(json.dumps({
+    figures = {
         "device": device.device_kind, "params_b": round(n_params / 1e9, 3), "attention": cfg.model.attention,
         "quantization": cfg.train.quantization, "remat": cfg.train.remat,
         "seq_len": cfg.data.seq_len, "batch": cfg.train.global_batch_size, "compile_s": round(compile_s, 1),
@@ -72,7 +76,9 @@ def main(argv=None):
         "planned_step_s": round(plan["estimate"]["step_time_s"], 4),
         "planned_mfu": round(plan["estimate"]["mfu"], 3),
         "planned_bottleneck": plan["estimate"]["bottleneck"],
-        "jax": jax.__version__}))
+        "jax": jax.__version__}
+    print(json.dumps(figures))
+    harness.record("gpu", figures, smoke=a.smoke, steps=steps, overrides=a.overrides)
 
 
 if __name__ == "__main__":

@@ -2,35 +2,35 @@
 (step time) and on the TPU compiler (a topology compile: memory, FLOPs, the compiler's own
 `optimal_seconds`), for the real train step (`step.build`) of an expert-parallel mesh.
 
-    python bench/moe.py [--topology v5e:2x4] [--steps 4] [KEY=VALUE ...]
+    python bench/moe.py [--topology v5e:2x4] [--steps 4] [--skip-cpu] [KEY=VALUE ...]
 
 `masked` runs every row through every local expert and keeps its own group's result
-(n_experts / expert times the FLOPs); `ragged` is what models/moe.py uses. Results: bench/README.md.
+(n_experts / expert times the FLOPs); `ragged` is what models/moe.py uses. The CPU steps of the two
+take turns (after both are compiled). Results: bench/README.md; record: bench/results/moe.jsonl.
 """
 
 from __future__ import annotations
 
+import harness  # isort: split
+
 import argparse
-import os
 import statistics
-import sys
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from models import moe as moe_lib  # noqa: E402
-from shardtrain import config, loop, mesh as mesh_lib, step as step_lib  # noqa: E402
-from shardtrain.plan import chips, hlo, topology as topology_lib  # noqa: E402
+from models import moe as moe_lib
+from shardtrain import chips, config, step as step_lib
+from shardtrain.parallel import mesh as mesh_lib
+from shardtrain.plan import hlo, topology as topology_lib
 
 BASE = ["model.moe.n_experts=8", "model.moe.experts_per_token=2", "data.source=synthetic", "mesh.data=2", "mesh.fsdp=1",
         "mesh.tensor=1", "mesh.expert=4"]
 
 
-def masked(x_rd, w_edf, group_e):
+def masked(x_rd, w_edf, group_e, quantization="none"):
+    """Every row through every expert, each keeping its own group's rows (moe_lib.grouped's signature)."""
+    assert quantization == "none", "masked: train.quantization=none only"
     ends = jnp.cumsum(group_e)
     rows = jnp.arange(x_rd.shape[0])[:, None]
     out = jnp.zeros((x_rd.shape[0], w_edf.shape[2]), jnp.float32)
@@ -43,17 +43,11 @@ def masked(x_rd, w_edf, group_e):
 IMPLS = {"ragged": moe_lib.grouped, "masked": masked}
 
 
-def cpu_step_time(cfg, steps: int) -> float:
+def cpu_stepper(cfg, steps: int) -> harness.Stepper:
+    """The step compiled for this CPU (with the grouped matmul moe_lib.grouped is now), one step per call."""
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-    compiled = prog.lower().compile()
-    state = prog.init(cfg.train.seed)
-    times = []
-    for batch in loop.bare_loop_batches(prog, steps + 1):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    batches = harness.bare_loop_batches(prog, steps + 1)
+    return harness.Stepper(prog.lower().compile(), prog.init(cfg.train.seed), batches)
 
 
 def tpu_compile(cfg, topology: str) -> dict:
@@ -79,12 +73,19 @@ def main():
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = config.load("meshes/demo.yaml", [*BASE, *args.overrides, "run_dir=/tmp/bench-moe"])
+    rows, steppers = {}, {}
     for name, fn in IMPLS.items():
-        moe_lib.grouped = fn
-        row = {"impl": name, **tpu_compile(cfg, args.topology)}
+        moe_lib.grouped = fn  # traced into both programs below
+        rows[name] = {"impl": name, **tpu_compile(cfg, args.topology)}
         if not args.skip_cpu:
-            row["cpu_step_s"] = round(cpu_step_time(cfg, args.steps), 3)
+            steppers[name] = cpu_stepper(cfg, args.steps)
+    times = harness.interleaved(steppers, args.steps + 1)
+    for name, row in rows.items():
+        if name in times:
+            row["cpu_step_s"] = round(statistics.median(harness.flat(times[name])[1:]), 3)
         print(row, flush=True)
+    harness.record("moe", rows, topology=args.topology, steps=args.steps, skip_cpu=args.skip_cpu,
+                   overrides=[*BASE, *args.overrides])
 
 
 if __name__ == "__main__":

@@ -7,26 +7,24 @@
 Each optimizer trains `meshes/demo.yaml train.steps=150 optimizer.name=<name>` (8 simulated CPU
 devices, data=2 x fsdp=2 x tensor=2, seed 0: the same initial weights and batches; the demo's
 learning rate 3e-3, warmup 20, cosine, for all four) into DIR/o_<name>, one after another. Writes
-bench/optimizers_loss.png (the curves, smoothed over 10 steps) and bench/optimizers_loss.json (the
-mean loss over the last 20 steps, the median step time against adamw's, and every 5th step's loss
-per optimizer). Step times: with --time, the four compiled demo steps in one process, round-robin
-(5 rounds of 6 steps each), so that the load of the machine falls on all four alike; without it,
-each run's logged median after step 10 (runs one after another: other jobs' load drifts between them).
+bench/results/optimizers_loss.png (the curves, smoothed over 10 steps) and
+bench/results/optimizers_loss.json (the mean loss over the last 20 steps, the median step time against
+adamw's, and every 5th step's loss per optimizer); record: bench/results/optimizers.jsonl. Step times:
+with --time, the four compiled demo steps in one process, round-robin (5 rounds of 6 steps each), so
+that the load of the machine falls on all four alike; without it, each run's logged median after
+step 10 (runs one after another: other jobs' load drifts between them).
 """
 
 from __future__ import annotations
 
+import harness  # isort: split
+
 import argparse
 import json
-import os
 import statistics
-import time
 from pathlib import Path
 
-from quantization import losses, plot, train  # bench/quantization.py: runs, their losses, the plot
-
 NAMES = ("adamw", "adafactor", "muon", "lion")
-HERE = Path(__file__).resolve().parent
 
 
 def step_time(run_dir: Path) -> float:
@@ -37,29 +35,21 @@ def step_time(run_dir: Path) -> float:
 
 def interleaved_step_times(rounds: int = 5, steps: int = 6) -> dict[str, float]:
     """Median seconds per step of each optimizer's compiled demo step, the four taking turns."""
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    from shardtrain import config, loop, mesh as mesh_lib, step
+    from shardtrain import config, step
+    from shardtrain.parallel import mesh as mesh_lib
 
-    runs = {}
+    steppers = {}
     for name in NAMES:
-        cfg = config.load(str(HERE.parent / "meshes/demo.yaml"), [f"optimizer.name={name}"])
+        cfg = config.load(str(harness.ROOT / "meshes/demo.yaml"), [f"optimizer.name={name}"])
         prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
-        runs[name] = [prog.lower().compile(), prog.init(0), list(loop.bare_loop_batches(prog, steps))]
-    times = {name: [] for name in NAMES}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            compiled, state, batches = run
-            for batch in batches:
-                t = time.perf_counter()
-                state, metrics = compiled(state, batch)  # the state is donated: keep the new one
-                float(metrics["loss"])
-                times[name].append(time.perf_counter() - t)
-            run[1] = state
-    return {name: statistics.median(t) for name, t in times.items()}
+        steppers[name] = harness.Stepper(prog.lower().compile(), prog.init(0),
+                                         harness.bare_loop_batches(prog, steps), steps)
+    times = harness.interleaved(steppers, rounds)
+    return {name: statistics.median(harness.flat(t)) for name, t in times.items()}
 
 
 def summarise(out: Path, times: dict[str, float] | None) -> dict:
-    curves = {name: losses(out / f"o_{name}") for name in NAMES}
+    curves = {name: harness.run_losses(out / f"o_{name}") for name in NAMES}
     last = max(curves["adamw"])
     times = times or {name: step_time(out / f"o_{name}") for name in NAMES}
     final = {n: statistics.mean(v for s, v in c.items() if s > last - 20) for n, c in curves.items()}
@@ -76,13 +66,16 @@ def main() -> None:
     parser.add_argument("--time", action="store_true", help="time the compiled steps interleaved in this process")
     args = parser.parse_args()
     if args.run:
-        train(args.dir, args.steps, "optimizer.name", NAMES, "o")
+        harness.train_demo(args.dir, args.steps, "optimizer.name", NAMES, "o")
     summary = summarise(args.dir, interleaved_step_times() if args.time else None)
-    (HERE / "optimizers_loss.json").write_text(json.dumps(summary, indent=None) + "\n")
-    plot(summary, {n: losses(args.dir / f"o_{n}") for n in NAMES}, HERE / "optimizers_loss.png", "optimizer.name",
-         top=3.5)
-    print(json.dumps({k: summary[k] for k in ("steps", "final_loss_last_20", "step_time_s", "step_time_vs_adamw")},
-                     indent=1))
+    harness.RESULTS.mkdir(parents=True, exist_ok=True)
+    (harness.RESULTS / "optimizers_loss.json").write_text(json.dumps(summary, indent=None) + "\n")
+    harness.plot_losses(summary["final_loss_last_20"], {n: harness.run_losses(args.dir / f"o_{n}") for n in NAMES},
+                        harness.RESULTS / "optimizers_loss.png", "optimizer.name", top=3.5)
+    figures = {k: summary[k] for k in ("steps", "final_loss_last_20", "step_time_s", "step_time_vs_adamw")}
+    print(json.dumps(figures, indent=1))
+    harness.record("optimizers", figures, trained_here=args.run, runs=str(args.dir), interleaved_times=args.time,
+                   files=["optimizers_loss.json", "optimizers_loss.png"])
 
 
 if __name__ == "__main__":

@@ -1,35 +1,33 @@
 """The shardtrain loop's step time against calling the same compiled step in a bare Python loop.
 
-    .venv/bin/python bench/overhead.py [CONFIG] [KEY=VALUE ...]     (default meshes/demo.yaml, 40 steps)
+    .venv/bin/python bench/overhead.py [CONFIG] [KEY=VALUE ...] [--rounds 3]  (default meshes/demo.yaml, 40 steps)
 
-Runs bare, loop three times, interleaved (same mesh, data and compiled program), and reports the
-median seconds per step of each and their ratio (goal <= 1.03). Ratios, not absolute times, are comparable on
-this noisy machine.
+Runs bare, loop --rounds times, interleaved (same mesh, data and compiled program), and reports the
+median seconds per step of each and their ratio (goal <= 1.03). Ratios, not absolute times, are
+comparable on this noisy machine. Record: bench/results/overhead.jsonl.
 """
 
+import harness  # isort: split
+
 import argparse
+import dataclasses
+import json
 import os
-import sys
+import statistics
+import tempfile
+import time
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-
-from shardtrain import config, loop, mesh as mesh_lib, step  # noqa: E402
+from shardtrain import config, loop, step
+from shardtrain.parallel import mesh as mesh_lib
 
 
 def bare(cfg) -> float:
     """Median seconds per step: the compiled step in a plain loop, dispatch pipelined like the loop's."""
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     compiled = prog.lower().compile()
-    batches = loop.bare_loop_batches(prog, cfg.train.steps)
+    batches = harness.bare_loop_batches(prog, cfg.train.steps)
     state = prog.init(cfg.train.seed)
     times, last, t = [], None, time.perf_counter()
     for batch in batches:
@@ -50,9 +48,10 @@ def shardtrain_loop(cfg) -> float:
 
 def main():
     p = argparse.ArgumentParser(description="The shardtrain loop's step time against a bare loop of the same "
-                                "compiled step (3 interleaved rounds each).")
+                                "compiled step (interleaved rounds).")
     p.add_argument("config", nargs="?", default="meshes/demo.yaml", help="YAML config (default meshes/demo.yaml)")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides (default train.steps=40)")
+    p.add_argument("--rounds", type=int, default=3, help="bare / loop rounds (default 3)")
     args = p.parse_args()
     if "=" in args.config:  # only overrides were given
         args.overrides, args.config = [args.config, *args.overrides], "meshes/demo.yaml"
@@ -60,14 +59,15 @@ def main():
         cfg = config.load(args.config, ["train.steps=40", "checkpoint.every_steps=1000", *args.overrides])
     except config.ConfigError as e:
         p.error(str(e))
-    results = {"bare": [], "loop": []}
-    for _ in range(3):
-        results["bare"].append(bare(cfg))
-        results["loop"].append(shardtrain_loop(cfg))
+    results = harness.interleaved({"bare": lambda: bare(cfg), "loop": lambda: shardtrain_loop(cfg)}, args.rounds)
     bare_s, loop_s = statistics.median(results["bare"]), statistics.median(results["loop"])
-    print(f"{cfg.name} mesh {dict(mesh_lib.make_mesh(cfg.mesh).shape)} on {jax.device_count()} devices: "
+    mesh = dict(mesh_lib.make_mesh(cfg.mesh).shape)
+    print(f"{cfg.name} mesh {mesh} on {jax.device_count()} devices: "
           f"bare {bare_s:.3f} s/step, shardtrain loop {loop_s:.3f} s/step, ratio {loop_s / bare_s:.3f} "
           f"(runs: {results})")
+    harness.record("overhead", {"bare_s_per_step": bare_s, "loop_s_per_step": loop_s, "ratio": loop_s / bare_s,
+                                "runs": results},
+                   config=args.config, overrides=args.overrides, steps=cfg.train.steps, rounds=args.rounds, mesh=mesh)
 
 
 if __name__ == "__main__":

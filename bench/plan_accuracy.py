@@ -8,37 +8,27 @@ round-robin (--rounds rounds of --steps steps each), keeping each mesh's fastest
 others then spreads over all meshes instead of landing on one. Times are also given relative to
 data=8 measured in the same run.
 
-    .venv/bin/python bench/plan_accuracy.py [--rounds 3] [--steps 3] [overrides ...]  # writes bench/plan_accuracy.json
+    .venv/bin/python bench/plan_accuracy.py [--rounds 3] [--steps 3] [overrides ...]
+
+Writes bench/results/plan_accuracy.json (every mesh's estimate and measurements) and appends a record to
+bench/results/plan_accuracy.jsonl.
 """
 
-import os
-import sys
+import harness  # isort: split
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import argparse
+import json
+import statistics
+import time
+import warnings
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
+import jax
+from scipy.stats import spearmanr
 
-import jax  # noqa: E402
-from scipy.stats import spearmanr  # noqa: E402
-
-from shardtrain import config, loop, mesh as mesh_lib, step  # noqa: E402
-from shardtrain.config import MESH_AXES  # noqa: E402
-from shardtrain.plan import chips, planner, search  # noqa: E402
-
-
-def step_times(prog, compiled, state, batches, steps: int):
-    """(state, wall times of `steps` steps), each step waited for."""
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        state, m = compiled(state, batches[i % len(batches)])
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    return state, times
+from shardtrain import chips, config, step
+from shardtrain.config import MESH_AXES
+from shardtrain.parallel import mesh as mesh_lib
+from shardtrain.plan import planner, search
 
 
 def main() -> None:
@@ -46,7 +36,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "plan_accuracy.json"))
+    p.add_argument("--out", default=str(harness.RESULTS / "plan_accuracy.json"))
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     cfg = config.load("meshes/demo.yaml", ["train.compile_cache=false", *args.overrides])
@@ -60,7 +50,7 @@ def main() -> None:
         c = search.candidate(cfg, sizes, m)
         prog = step.build(c, mesh_lib.make_mesh(c.mesh, devices))
         compiled = prog.lower().compile()
-        return prog, compiled, loop.bare_loop_batches(prog, 4)
+        return prog, compiled, harness.bare_loop_batches(prog, 4)
 
     meshes = []
     for sizes in search.factorisations(len(devices)):
@@ -72,21 +62,21 @@ def main() -> None:
                 print(f"skip {label}: {str(e)[:100]}", flush=True)
                 continue
             r = planner.report(prog, compiled, cpu)
-            state, _ = step_times(prog, compiled, prog.init(cfg.train.seed), batches, 1)  # warm-up
-            meshes.append({"label": label, "prog": prog, "compiled": compiled, "batches": batches,
-                           "state": state, "report": r, "times": []})
+            stepper = harness.Stepper(compiled, prog.init(cfg.train.seed), batches)
+            stepper()  # warm-up: one step
+            stepper.steps = args.steps  # then --steps per round
+            meshes.append({"label": label, "stepper": stepper, "report": r})
             print(f"{label}: compiled, estimate {r['estimate']['step_time_s']:.3f} s", flush=True)
-    for round_ in range(args.rounds):
-        for m in meshes:
-            m["state"], times = step_times(m["prog"], m["compiled"], m["state"], m["batches"], args.steps)
-            m["times"] += times
-        print(f"round {round_ + 1}: " + ", ".join(f"{m['label']} {min(m['times']):.2f}" for m in meshes), flush=True)
+    rounds = harness.interleaved({m["label"]: m["stepper"] for m in meshes}, args.rounds)
+    for m in meshes:
+        m["times"] = harness.flat(rounds[m["label"]])
+        del m["stepper"]  # its state and compiled program
     base = next(min(m["times"]) for m in meshes if m["label"] == "8x1x1x1")
     rows = []
     for m in meshes:
         e = m["report"]["estimate"]
         rows.append({"mesh": m["label"], "estimate_s": e["step_time_s"], "measured_s": min(m["times"]),
-                     "median_s": sorted(m["times"])[len(m["times"]) // 2], "baseline_s": base,
+                     "median_s": statistics.median(m["times"]), "baseline_s": base,
                      "bottleneck": e["bottleneck"], "compute_s": e["compute_s"], "memory_s": e["memory_s"],
                      "comm_s": e["comm_s"], "flops_per_device": m["report"]["flops_per_device"],
                      "bytes_per_device": m["report"]["bytes_accessed_per_device"],
@@ -108,6 +98,12 @@ def main() -> None:
               f"{r['measured_s'] / r['baseline_s']:.2f} | {r['bottleneck']} |")
     print(f"\nSpearman rank correlation of the estimate with the fastest step: {rho_abs:.2f}; "
           f"with the median step: {rho_rel:.2f} ({len(rows)} meshes)")
+    harness.record("plan_accuracy", {
+        "spearman_fastest": rho_abs, "spearman_median": rho_rel, "meshes": len(rows),
+        "cpu_gflops": cpu.peak_flops / 1e9, "cpu_gb_per_s": cpu.hbm_bandwidth / 1e9,
+        "rows": {r["mesh"]: {"estimate_ms": r["estimate_s"] * 1e3, "fastest_ms": r["measured_s"] * 1e3,
+                             "median_ms": r["median_s"] * 1e3} for r in rows}},
+        steps=args.steps, rounds=args.rounds, overrides=args.overrides, out=args.out)
 
 
 if __name__ == "__main__":

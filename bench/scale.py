@@ -5,25 +5,28 @@ needed) and print per-chip memory and compile time, one JSON line per variant.
 
 The topology defaults to the config's `hardware:` section (chip:topology). `--vary` compiles once
 per value (e.g. `--vary model.n_layers=8,32,80` or `--vary data.seq_len=2048,8192`). Results and
-MaxText's figures for the same shapes are in bench/README.md.
+MaxText's figures for the same shapes are in bench/README.md; every run appends its rows to
+bench/results/scale.jsonl.
 """
 
+import harness  # isort: split
+
+import argparse
+import dataclasses
+import json
 import os
 import sys
+import tempfile
+import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import yaml
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may compile for TPU too
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import yaml  # noqa: E402
-
-from shardtrain import config, mesh as mesh_lib, step  # noqa: E402
-from shardtrain.plan import chips, topology as topology_lib  # noqa: E402
+from shardtrain import chips, config, step  # noqa: E402
+from shardtrain.parallel import mesh as mesh_lib  # noqa: E402
+from shardtrain.plan import topology as topology_lib  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -63,7 +66,7 @@ def main():
     ap.add_argument("--topology", default=None, help="e.g. v5p:4x4x8 (default: the config's hardware)")
     ap.add_argument("--vary", default=None, help="KEY=V1,V2,...: one compile per value")
     a = ap.parse_args()
-    variants = [[]]
+    variants, rows = [[]], []
     if a.vary:
         key, values = a.vary.split("=", 1)
         variants = [[f"{key}={v}"] for v in values.split(",")]
@@ -76,6 +79,8 @@ def main():
         except Exception as e:  # noqa: BLE001 -- a bench reports what failed and goes on
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         print(json.dumps(row), flush=True)
+        rows.append(row)
+    harness.record("scale", {"rows": rows}, config=a.config, overrides=a.overrides, topology=a.topology, vary=a.vary)
 
 
 if __name__ == "__main__":

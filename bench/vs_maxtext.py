@@ -6,8 +6,11 @@
     .venv/bin/python bench/vs_maxtext.py --rows llama3-8b-2048 --out /tmp/vs
 
 Per row it prints memory, FLOPs, HBM bytes, collective traffic by kind, the roofline step time of both
-and their ratio, and the compile time of each, measured one after the other. Results: bench/README.md.
+and their ratio, and the compile time of each, measured one after the other. Results: bench/README.md;
+every run appends its rows' figures to bench/results/vs_maxtext.jsonl.
 """
+
+import harness  # isort: split
 
 import argparse
 import json
@@ -18,12 +21,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported
 
-from shardtrain.plan import chips, hlo, planner  # noqa: E402
+from shardtrain import chips  # noqa: E402
+from shardtrain.plan import hlo, planner  # noqa: E402
 
+ROOT = str(harness.ROOT)
 GIB = 2 ** 30
 TOOLS = os.path.join(ROOT, "..", "shared", "tools")
 
@@ -148,6 +151,7 @@ def main() -> None:
         summary[name] = {"shardtrain": ours, "maxtext": theirs}
         print(table(name, ours, theirs) + "\n", flush=True)
     json.dump(summary, open(os.path.join(args.out, "summary.json"), "w"), indent=1)
+    harness.record("vs_maxtext", summary, rows=args.rows, reuse_maxtext=args.reuse_maxtext, out=args.out)
 
 
 if __name__ == "__main__":
