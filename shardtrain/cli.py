@@ -70,6 +70,8 @@ def cmd_train(args) -> int:
     if cfg.checkpoint.init_from and Path(cfg.checkpoint.init_from).resolve() == Path(cfg.run_dir).resolve():
         raise config_lib.ConfigError(f"run_dir={cfg.run_dir} is checkpoint.init_from itself, so the run would resume "
                                      "from those weights' checkpoint; give the run its own run_dir=DIR")
+    from shardtrain.parallel import sharding
+    sharding.check_adapters(cfg)  # the LoRA targets against the model, before anything is written
     prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
     if not config_lib.is_url(cfg.checkpoint_dir()):
         prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")

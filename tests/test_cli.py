@@ -169,6 +169,14 @@ def test_start_of_a_run_says_its_mode_in_one_line(overrides, line):
     assert line in loop.mode_line(step.build(cfg, mesh_lib.make_mesh(cfg.mesh)))
 
 
+def test_lora_targets_the_model_lacks_stop_train_before_anything_is_written(tmp_path, capsys):
+    code, err = run_cli(capsys, "train", "meshes/demo.yaml", "model.name=llama", "model.lora.rank=2",
+                        "model.lora.targets=[q]", f"run_dir={tmp_path / 'run'}")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "model.lora.targets: unknown weight 'q' for this model; choose from wq_dhe" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_run_dir_that_is_a_file_or_unwritable_is_refused(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match=f"run_dir={tmp_path}/f/run: '{tmp_path}/f' is a file, not a directory"):
