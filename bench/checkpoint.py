@@ -23,11 +23,13 @@ import harness  # isort: split
 
 import argparse
 import dataclasses
+import itertools
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 
 import jax
 import tensorstore as ts
@@ -72,16 +74,16 @@ class Trainer:
             "train.global_batch_size=8", "checkpoint.max_to_keep=2", f"checkpoint.writer_niceness={args.niceness}",
             f"run_dir={root}"])
         self.prog = step_lib.build(self.cfg, mesh_lib.make_mesh(self.cfg.mesh))
-        self.compiled = self.prog.lower().compile()
-        self.state = self.prog.init(0)
-        self.batch = harness.bare_loop_batches(self.prog, 1)[0]
+        self.stepper = harness.Stepper(self.prog.lower().compile(), self.prog.init(0),
+                                       harness.bare_loop_batches(self.prog, 1))
+
+    @property
+    def state(self) -> dict:
+        return self.stepper.state
 
     def step(self) -> float:
         """Seconds of one train step, waited for."""
-        t0 = time.perf_counter()
-        self.state, metrics = self.compiled(self.state, self.batch)
-        jax.block_until_ready(metrics["loss"])
-        return time.perf_counter() - t0
+        return self.stepper()[0]
 
 
 def checkpointers(trainer: Trainer, root: str, compare: bool) -> dict[str, manager.Checkpointer]:
@@ -103,18 +105,17 @@ def first_saves(trainer: Trainer, ckpts: dict) -> dict[str, float]:
     return out
 
 
-def save_round(trainer: Trainer, ckpt, steps: list[int]) -> dict:
+def save_round(trainer: Trainer, ckpt, steps: Iterator[int]) -> dict:
     """One measured save of one variant: a whole save with nothing else running, then an async save
-    with training steps beside it until it commits, then as many steps without a save."""
-    steps[0] += 1
+    with training steps beside it until it commits, then as many steps without a save. `steps`: the
+    step numbers to save as."""
     t0 = time.perf_counter()
-    ckpt.save(steps[0], trainer.state)
+    ckpt.save(next(steps), trainer.state)
     ckpt.wait()
     whole = time.perf_counter() - t0
 
-    steps[0] += 1
     t0 = time.perf_counter()
-    ckpt.save(steps[0], trainer.state)
+    ckpt.save(next(steps), trainer.state)
     blocking = time.perf_counter() - t0
     in_flight = []
     while ckpt.manager.is_saving_in_progress() or not in_flight:
@@ -128,7 +129,7 @@ def save_round(trainer: Trainer, ckpt, steps: list[int]) -> dict:
 def measure_saves(trainer: Trainer, ckpts: dict, saves: int) -> dict[str, dict[str, list]]:
     """{variant: {whole, blocking: [s per save], in_flight: [step s]}, "without": [step s, all variants]},
     the variants interleaved save by save, the first in turn."""
-    steps = [1]  # the last step saved, shared by the variants
+    steps = itertools.count(2)  # after the first saves' step 1, shared by the variants
     rounds = harness.interleaved({name: lambda c=ckpt: save_round(trainer, c, steps) for name, ckpt in ckpts.items()},
                                  saves, alternate=True)
     out = {}
