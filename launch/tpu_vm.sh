@@ -3,12 +3,12 @@
 # all workers, installs it there, then starts `shardtrain train` on all of them at once. Each worker
 # is one JAX process; jax.distributed finds the others by itself (Cloud TPU detection).
 #
-#   launch/tpu_vm.sh [--dry-run] [--project ID] [--python python3.11] [--skip-install] [--restarts R] \
+#   launch/tpu_vm.sh [--dry-run] [--project ID] [--python python3.12] [--skip-install] [--restarts R] \
 #       TPU_NAME ZONE CONFIG [KEY=VALUE ...]
 #
 #   --dry-run       print the gcloud commands instead of running them
 #   --project ID    passed to gcloud (default: gcloud's configured project)
-#   --python EXE    Python (>= 3.11) to build the venv with on the workers (default python3.11,
+#   --python EXE    Python (>= 3.12) to build the venv with on the workers (default python3.12,
 #                   installed with apt when missing)
 #   --skip-install  the project is already installed on the workers: only start training
 #   --restarts R    when the training fails on a worker (a process died, was killed or hung: exit 70;
@@ -25,7 +25,7 @@ set -euo pipefail
 
 dry_run=0
 project=()
-python=python3.11
+python=python3.12
 install=1
 restarts=0
 usage() { echo "usage: $0 [--dry-run] [--project ID] [--python EXE] [--skip-install] [--restarts R] TPU_NAME ZONE CONFIG [KEY=VALUE ...]" >&2; exit 2; }

@@ -6,6 +6,8 @@ Sources (vendor spec sheets, retrieved 2026):
   TPU v5e: cloud.google.com/tpu/docs/v5e      197 TFLOP/s, 16 GiB HBM2 at 819 GB/s, ICI 1600 Gbit/s = 200 GB/s
   TPU v5p: cloud.google.com/tpu/docs/v5p      459 TFLOP/s, 95 GiB HBM2e at 2765 GB/s, ICI 4800 Gbit/s = 600 GB/s
   TPU v6e: cloud.google.com/tpu/docs/v6e      918 TFLOP/s, 32 GiB HBM at 1640 GB/s, ICI 3584 Gbit/s = 448 GB/s
+  TPU7x:   cloud.google.com/tpu/docs/tpu7x    2307 TFLOP/s (fp8 4614), 192 GiB HBM at 7380 GB/s, ICI 1200 GB/s both
+           directions = 600 GB/s, DCN 100 Gbit/s; two TensorCores per chip, which jax shows as two devices
   A100:    nvidia.com A100 datasheet (SXM 80GB) 312 TFLOP/s, 80 GB at 2039 GB/s, NVLink 600 GB/s
   H100:    nvidia.com H100 datasheet (SXM)    989 TFLOP/s, 80 GB at 3350 GB/s, NVLink 900 GB/s
   H200:    nvidia.com H200 datasheet (SXM)    989 TFLOP/s, 141 GB at 4800 GB/s, NVLink 900 GB/s
@@ -26,6 +28,7 @@ Planner accuracy, records the measurement), and an 8 GiB share of the host's mem
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 GB = 1e9
@@ -87,6 +90,17 @@ class Chip:
     """libtpu's name of a TPU generation in topology names ("v5e" in "v5e:16x16"); None: not a TPU."""
     gpu: GpuTarget | None = None
     """What XLA:GPU compiles for; None: not an NVIDIA GPU."""
+    devices_per_chip: int = 1
+    """jax devices one chip shows (TPU7x: its two TensorCores are two devices, each with half the chip's figures)."""
+
+    def per_device(self) -> Chip:
+        """The figures of one of the chip's devices."""
+        n = self.devices_per_chip
+        if n == 1:
+            return self
+        return dataclasses.replace(self, peak_flops=self.peak_flops / n, hbm_bytes=self.hbm_bytes / n,
+                                   hbm_bandwidth=self.hbm_bandwidth / n, ici_bandwidth=self.ici_bandwidth / n,
+                                   dcn_bandwidth=self.dcn_bandwidth / n, devices_per_chip=1)
 
 
 CHIPS = {c.name: c for c in [
@@ -94,6 +108,8 @@ CHIPS = {c.name: c for c in [
     Chip("v5e", 197e12, 16 * GiB, 819 * GB, 200 * GB, 25 / 8 * GB, ("TPU v5 lite", "TPU v5e"), tpu_name="v5e"),
     Chip("v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 25 / 4 * GB, ("TPU v5p", "TPU v5"), tpu_name="v5p"),
     Chip("v6e", 918e12, 32 * GiB, 1640 * GB, 448 * GB, 25 / 8 * GB, ("TPU v6", "TPU v6e"), tpu_name="v6e"),
+    Chip("tpu7x", 2307e12, 192 * GiB, 7380 * GB, 600 * GB, 12.5 * GB, ("TPU7x",), tpu_name="tpu7x",
+         devices_per_chip=2),
     Chip("a100", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB, ("A100",), gpu=GpuTarget(
         "NVIDIA A100-SXM4-80GB", (8, 0), 108, 81920 * MiB, 40 * MiB, 1.41, 164 * KiB, 163 * KiB)),
     Chip("h100", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB, ("H100",), gpu=GpuTarget(
@@ -108,11 +124,11 @@ CHIPS = {c.name: c for c in [
 
 
 LOW_PRECISION_FLOPS = {
-    "v5e": {"int8": 394e12}, "v5p": {"int8": 918e12}, "v6e": {"int8": 1836e12},
+    "v5e": {"int8": 394e12}, "v5p": {"int8": 918e12}, "v6e": {"int8": 1836e12}, "tpu7x": {"fp8": 4614e12},
     "a100": {"int8": 624e12}, "h100": {"int8": 1979e12, "fp8": 1979e12}, "h200": {"int8": 1979e12, "fp8": 1979e12},
 }
 """Dense peak operations/s per chip of int8 and fp8 matmuls (vendor spec sheets as above: v5e 394,
-v5p 918, v6e 1836 int8 TOPS; A100 624 int8 TOPS; H100 / H200 SXM 1979 fp8 TFLOP/s and int8 TOPS,
+v5p 918, v6e 1836 int8 TOPS; TPU7x 4614 fp8 TFLOP/s (its page lists no int8 rate); A100 624 int8 TOPS; H100 / H200 SXM 1979 fp8 TFLOP/s and int8 TOPS,
 without sparsity). A type a chip does not list runs at its bf16 peak."""
 
 
@@ -130,7 +146,8 @@ def operand_kind(dtype: str) -> str:
 
 def peak_flops(chip: Chip, dtype: str) -> float:
     """The chip's peak for matmuls whose operands are of HLO type `dtype`."""
-    return LOW_PRECISION_FLOPS.get(chip.name, {}).get(operand_kind(dtype), chip.peak_flops)
+    low = LOW_PRECISION_FLOPS.get(chip.name, {}).get(operand_kind(dtype))
+    return chip.peak_flops if low is None else low * (chip.peak_flops / CHIPS[chip.name].peak_flops)  # per device
 
 
 def for_device_kind(kind: str) -> Chip | None:

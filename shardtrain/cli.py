@@ -237,7 +237,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
     pl.add_argument("--devices", type=int, help="device count to plan for (default: the mesh's product)")
-    pl.add_argument("--chip", default=None, help="chip to plan for: v4, v5e, v5p, v6e, a100, h100, h200, cpu "
+    pl.add_argument("--chip", default=None, help="chip to plan for: v4, v5e, v5p, v6e, tpu7x, a100, h100, h200, cpu "
                     "(default: the config's hardware.chip, else the devices present)")
     pl.add_argument("--topology", default=None, help="TPU chips per dimension, e.g. 16x16: compile with the TPU "
                     "compiler for that slice (needs libtpu; default: the config's hardware.topology)")

@@ -41,7 +41,7 @@ class Metrics:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.flops_per_step = flops_per_token * self.tokens_per_step
         chip = chips.for_device_kind(jax.devices()[0].device_kind)
-        self.peak_flops = chip.peak_flops * jax.device_count() if chip else None
+        self.peak_flops = chip.per_device().peak_flops * jax.device_count() if chip else None
         self.step_times: list[float] = []
         self.losses: list[tuple[int, float]] = []
         self.file = self.tb = self.bar = None

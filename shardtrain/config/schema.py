@@ -333,7 +333,7 @@ class HardwareConfig:
     without GPUs: the `gpu` extra), else on the devices present."""
 
     chip: Optional[str] = None
-    """A chip of shardtrain/chips.py (v4, v5e, v5p, v6e, a100, h100, h200, b200, cpu); None: the devices
+    """A chip of shardtrain/chips.py (v4, v5e, v5p, v6e, tpu7x, a100, h100, h200, b200, cpu); None: the devices
     present."""
     topology: Optional[str] = None
     """TPU chips per dimension of one slice, e.g. "16x16" (v5e-256) or "4x4x8" (v5p-256); for GPUs NODESxGPUS,

@@ -236,8 +236,8 @@ def validate_hardware(cfg: RunConfig, with_mesh: bool = True) -> None:
         return
     chip = CHIPS.get(hw.chip)
     if chip is None or (chip.tpu_name is None and chip.gpu is None):
-        raise ConfigError(f"hardware.topology={hw.topology}: needs hardware.chip to name a TPU (v4, v5e, v5p, v6e) "
-                          "or a GPU (a100, h100, h200, b200)")
+        raise ConfigError(f"hardware.topology={hw.topology}: needs hardware.chip to name a TPU (v4, v5e, v5p, v6e, "
+                          "tpu7x) or a GPU (a100, h100, h200, b200)")
     dims = hw.topology.split("x")
     if chip.gpu is not None:
         if len(dims) != 2 or not all(d.isdigit() and int(d) > 0 for d in dims):

@@ -62,9 +62,10 @@ def pick_chip(name: str | None, devices, memory_limit: float | None = None) -> c
 
 
 def per_device(chip: chips_lib.Chip, n_devices: int) -> chips_lib.Chip:
-    """A host-wide entry (`cpu`: one machine simulates all devices) shared among the devices."""
+    """The figures of one device: a chip's share (TPU7x: half a chip), or a host-wide entry's (`cpu`: one
+    machine simulates all devices) shared among the devices."""
     if not chip.host_shared:
-        return chip
+        return chip.per_device()
     return dataclasses.replace(chip, peak_flops=chip.peak_flops / n_devices, hbm_bytes=chip.hbm_bytes / n_devices,
                                hbm_bandwidth=chip.hbm_bandwidth / n_devices,
                                ici_bandwidth=chip.ici_bandwidth / n_devices,
@@ -292,7 +293,10 @@ def topology_name(mesh) -> str | None:
         return None
     granules = len({mesh_lib.granule(x) for x in mesh.devices.flat})
     unit, group = ("chips", "slices") if d.platform == "tpu" else ("GPUs", "nodes")
-    return f"{d.device_kind}, {mesh.devices.size} {unit}" + (f" in {granules} {group}" if granules > 1 else "")
+    chip = chips_lib.for_device_kind(d.device_kind)
+    per_chip = chip.devices_per_chip if chip else 1
+    count = f"{mesh.devices.size // per_chip} {unit}" + (f" ({mesh.devices.size} devices)" if per_chip > 1 else "")
+    return f"{d.device_kind}, {count}" + (f" in {granules} {group}" if granules > 1 else "")
 
 
 class _CompileCacheOff:
@@ -381,6 +385,7 @@ def mesh_label(mesh: dict, pipeline: dict | None = None) -> str:
 
 def format_report(r: dict) -> str:
     m, e = r["memory_per_device_bytes"], r["estimate"]
+    halves = " devices" if chips_lib.CHIPS[r["chip"]].devices_per_chip > 1 else ""
     lines = [
         f"{r['config']}: {r['model']} {r['params']['count'] / 1e6:.2f}M params ({gib(r['params']['bytes'])}) "
         f"on {r['devices']} devices, mesh " + ", ".join(f"{a}={s}" for a, s in r["mesh"].items()),
@@ -398,7 +403,7 @@ def format_report(r: dict) -> str:
             f"model FLOPs per token {r['model_flops_per_token']:.4g}",
         "matmul FLOPs per device by operand type: " + (", ".join(
             f"{k} {v:.4g}" for k, v in sorted(r["flops_by_dtype"].items(), key=lambda kv: -kv[1])) or "none"),
-        f"estimate on {r['devices']} x {r['chip']}: step {e['step_time_s'] * 1e3:.3f} ms, MFU {e['mfu']:.1%}, "
+        f"estimate on {r['devices']} x {r['chip']}{halves}: step {e['step_time_s'] * 1e3:.3f} ms, MFU {e['mfu']:.1%}, "
         f"bound by {e['bottleneck']} (compute {e['compute_s'] * 1e3:.3f} ms, memory {e['memory_s'] * 1e3:.3f} ms, "
         f"communication {e['comm_s'] * 1e3:.3f} ms)",
         f"  with each loop iteration's collectives overlapping its compute: step "
@@ -462,7 +467,7 @@ def target(cfg: RunConfig, n_devices: int, requested: int | None = None, chip: s
         devices = list(topology.devices(chips_lib.CHIPS[hw.chip], hw.topology, hw.slices))
         if requested is not None and requested != len(devices):
             raise ConfigError(f"--devices {requested}: the {hw.chip} topology {hw.topology} x {hw.slices} slice(s) "
-                              f"has {len(devices)} chips; drop --devices or change the topology")
+                              f"has {len(devices)} devices; drop --devices or change the topology")
     return devices, pick_chip(hw.chip, devices, memory_limit)
 
 

@@ -81,7 +81,7 @@ def devices(chip: Chip, topology: str, slices: int = 1) -> tuple:
         return gpu_devices(chip, topology)
     if chip.tpu_name is None:
         raise ConfigError(f"topology {topology}: chip '{chip.name}' is neither a TPU nor a GPU; a topology needs "
-                          "one of v4, v5e, v5p, v6e, a100, h100, h200, b200 (cpu plans on the devices present)")
+                          "one of v4, v5e, v5p, v6e, tpu7x, a100, h100, h200, b200 (cpu plans on the devices present)")
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(f"planning for TPU {chip.name} {topology} compiles with the TPU compiler, which needs "
                           "libtpu: pip install 'shardtrain[tpu]' (or plan on the devices present: omit "
@@ -98,9 +98,9 @@ def devices(chip: Chip, topology: str, slices: int = 1) -> tuple:
         reason = str(e).strip().splitlines()[0][:200]
         raise ConfigError(f"hardware.topology={topology}: libtpu has no {chip.name} topology '{name}' ({reason}); "
                           f"use the chips per dimension of a real {chip.name} slice") from None
-    if len(found) != chip_count(topology, slices):
+    if len(found) != chip_count(topology, slices) * chip.devices_per_chip:
         raise ConfigError(f"hardware.topology={topology}: libtpu made {len(found)} devices, expected "
-                          f"{chip_count(topology, slices)}")
+                          f"{chip_count(topology, slices) * chip.devices_per_chip}")
     return tuple(found)
 
 

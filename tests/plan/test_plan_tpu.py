@@ -286,3 +286,22 @@ def test_chunked_loss_gathers_the_unembedding_once():
                    if c.kind == "all-gather" and c.bytes == 512 * 2048 * 2)
     chunked, plain = head_sized_gathers(128), head_sized_gathers(0)
     assert 1 <= chunked == plain <= 2  # the unembedding's gather, and the embedding table's if any
+
+
+def test_tpu7x_plans_two_devices_per_chip_each_with_half_of_it():
+    """TPU7x (Ironwood): libtpu shows each chip's two TensorCores as two devices; plan counts devices,
+    holds each to half a chip's HBM and peak, and FSDP over 8 of them shards the state 8 ways."""
+    chip, d = chips.CHIPS["tpu7x"], 2 * D  # 1024 / 8 = 128: no padding of the sharded dimension
+    devices = list(topology.devices(chip, "2x2x1"))
+    assert len(devices) == 8
+    small = ["model.name=mlp", "model.n_layers=1", f"model.d_model={d}", f"model.d_ff={d}", f"model.vocab_size={d}",
+             "data.seq_len=127", "train.global_batch_size=64", "data.source=synthetic", "hardware.chip=tpu7x",
+             "hardware.topology=2x2x1", "mesh.tensor=1"]
+    r = {name: planner.plan_one(config.load(None, [*small, f"mesh.data={n}", f"mesh.fsdp={8 // n}"]), devices, chip)
+         for name, n in (("data", 8), ("fsdp", 1))}
+    state = 3 * 4 * d * d * 4  # parameters and AdamW's two moments of four float32 matrices
+    args = {name: x["compiled_memory_bytes"]["arguments"] for name, x in r.items()}
+    assert args["data"] - args["fsdp"] == state - state // 8
+    assert r["fsdp"]["compiler"] == "tpu" and r["fsdp"]["devices"] == 8
+    assert r["fsdp"]["memory_limit_bytes"] == 96 * 2 ** 30 and "4 chips (8 devices)" in r["fsdp"]["topology"]
+    assert planner.per_device(chip, 8).peak_flops == chip.peak_flops / 2

@@ -47,8 +47,21 @@ def test_core_dependencies_are_lean_and_the_extras_are_named():
     assert not core & HEAVY and not [d for d in core if d.startswith(("nvidia-", "jax-cuda"))]
     extras = PROJECT["optional-dependencies"]
     assert {"tpu", "gpu", "gcs", "convert", "test", "dev"} <= set(extras)
-    # libtpu and the CUDA plugin must match jax exactly: both extras pin the jax the project tests
-    assert extras["tpu"] == [f"jax[tpu]=={jax.__version__}"] and extras["gpu"] == [f"jax[cuda12]=={jax.__version__}"]
+
+
+def test_the_accelerator_extras_never_move_the_cores_jax():
+    """`pip install .` then `pip install '.[tpu]'` (or `[gpu]`) keeps the jax the core chose: the extras name jax
+    with no version of their own, so jax's own `tpu` / `cuda12` extra brings the libtpu / CUDA plugin made for
+    the installed jax (the test extra installed both here: they match it exactly)."""
+    extras = PROJECT["optional-dependencies"]
+    for extra, jax_extra in (("tpu", "tpu"), ("gpu", "cuda12")):
+        (req,) = map(Requirement, extras[extra])
+        assert (req.name, req.extras, str(req.specifier)) == ("jax", {jax_extra}, "")
+    core_jax = next(Requirement(r) for r in PROJECT["dependencies"] if Requirement(r).name == "jax")
+    assert core_jax.specifier.contains(jax.__version__)
+    pins = {Requirement(r).name: Requirement(r) for r in importlib.metadata.requires("jax") or []
+            if Requirement(r).marker is not None and Requirement(r).marker.evaluate({"extra": "tpu"})}
+    assert pins["libtpu"].specifier.contains(importlib.metadata.version("libtpu"))
 
 
 def test_every_module_imports_only_what_pip_install_dot_installs():
