@@ -126,8 +126,8 @@ def runner(cfg: RunConfig, mesh: Mesh, schedule: Schedule | None = None):
         x_mbtd = x_btd.reshape(b // m_count, m_count, t, d).swapaxes(0, 1)  # (M, B/M, T, D)
         x_mbtd = jax.lax.with_sharding_constraint(x_mbtd, NamedSharding(mesh, P(None, batch_axes)))
         docs_mbt = {k: jax.lax.with_sharding_constraint(
-            v.reshape(b // m_count, m_count, t).swapaxes(0, 1), NamedSharding(mesh, P(None, batch_axes)))
-            for k, v in docs.items()}
+            doc_bt.reshape(b // m_count, m_count, t).swapaxes(0, 1), NamedSharding(mesh, P(None, batch_axes)))
+            for k, doc_bt in docs.items()}
 
         def pipeline(staged, x_mbtd, docs_mbt):
             staged = jax.tree.map(lambda w: w[0], staged)  # (v, Lg, ...) on this stage

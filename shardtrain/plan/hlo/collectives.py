@@ -117,6 +117,8 @@ def _parts(ins: Instr, kind: str, n: int, comp: list[Instr], tainted: set[str]) 
         sizes = sizes[:len(sizes) // 2]
     elif ins.opcode == "collective-permute-start":
         sizes = sizes[:1]
+    elif ins.opcode == "all-reduce-start" and ins.shape.startswith("(("):  # ((operands), results): XLA:GPU
+        sizes = sizes[len(sizes) // 2:]  # of jax 0.12 aliases the operands into the start op's result
     elif kind == "reduce-scatter":
         sizes = [(dtype, b * n) for dtype, b in sizes]  # the printed shape is the result
     if kind != "all-reduce":
@@ -265,16 +267,22 @@ def lowered_collectives(text: str, mesh_shape: dict[str, int]) -> list[Collectiv
         types = sig.group(1) if kind in ("all-reduce", "all-gather") else attrs.rsplit(": (", 1)[1]
         sizes = [(dtype, DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split("x") if d))
                  for dims, dtype in _TENSOR.findall(types)]
-        if kind == "collective-permute":
-            pairs = re.search(r"source_target_pairs = dense<(.*?)>", attrs).group(1)
-            groups = [[int(a), int(b)] for a, b in re.findall(r"\[(\d+), (\d+)\]", pairs)]
+        named = re.search(r"replica_group_mesh_axes<.*?axes = \[(.*?)\]>", attrs)
+        if named:  # jax >= 0.12 names the mesh axes: `replica_group_mesh_axes<mesh = @m, axes = [...]>`
+            names = set(re.findall(r'name = "(\w+)"', named.group(1)))
+            n = math.prod(mesh_shape[a] for a in names)
+            axes = tuple(a for a in mesh_shape if a in names and mesh_shape[a] > 1)
         else:
-            spec = re.search(r"replica_groups = dense<(.*?)>", attrs).group(1)
-            groups = [[int(x) for x in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", spec)] or \
-                [[int(x) for x in re.findall(r"\d+", spec)]]
-        n = len(groups[0])
+            if kind == "collective-permute":
+                pairs = re.search(r"source_target_pairs = dense<(.*?)>", attrs).group(1)
+                groups = [[int(a), int(b)] for a, b in re.findall(r"\[(\d+), (\d+)\]", pairs)]
+            else:
+                spec = re.search(r"replica_groups = dense<(.*?)>", attrs).group(1)
+                groups = [[int(x) for x in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", spec)] or \
+                    [[int(x) for x in re.findall(r"\d+", spec)]]
+            n, axes = len(groups[0]), group_axes(groups, mesh_shape)
         b = sum(size for _, size in sizes)
-        out.append(Collective(kind, b, b * ring_factor(kind, n), 1, n, group_axes(groups, mesh_shape),
+        out.append(Collective(kind, b, b * ring_factor(kind, n), 1, n, axes,
                               tuple(dict.fromkeys(dtype for dtype, _ in sizes))))
     return out
 
