@@ -82,17 +82,19 @@ def cmd_train(args) -> int:
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import loop
     from shardtrain.checkpoint import manager
+    from shardtrain.runtime import rundir
     cluster = distributed.initialize()
     with leaving_on_error(cluster):
-        enable_compile_cache(cfg)
-        try:
-            return loop.train(cfg, started)
-        except manager.SaveFailed as e:
-            print(f"{cluster.tag}: error: {e}", file=sys.stderr)
-            return 1
-        except loop.NonFinite as e:
-            print(f"{cluster.tag}: error: {e}", file=sys.stderr, flush=True)
-            return loop.EXIT_NONFINITE
+        enable_compile_cache(cfg)  # before the lock's broadcast compiles anything
+        with rundir.held(cfg.run_dir, cluster.process_index, cluster.process_count):  # one trainer per run dir
+            try:
+                return loop.train(cfg, started)
+            except (manager.SaveFailed, loop.RunFilesFailed) as e:
+                print(f"{cluster.tag}: error: {e}", file=sys.stderr, flush=True)
+                return 1
+            except loop.NonFinite as e:
+                print(f"{cluster.tag}: error: {e}", file=sys.stderr, flush=True)
+                return loop.EXIT_NONFINITE
 
 
 def cmd_goodput(args) -> int:
