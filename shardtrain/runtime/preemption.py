@@ -14,7 +14,9 @@ that decides, whatever the main thread is doing.
 
 With several processes JAX's preemption sync point turns a SIGTERM to any process into the same
 step boundary on all (JAX's own handler receives it); SIGINT is passed on to it as a SIGTERM, and
-the exits before the first step and after the grace apply to a lone process only.
+the exits before the first step and after the grace apply to a lone process only. A process
+started with SIGINT ignored (`cmd &` in a script, as launch/local.sh starts its processes) keeps
+ignoring it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ class Preemption:
         self.previous, self.previous_fd, self.pipe = {}, None, None
         if threading.current_thread() is not threading.main_thread():
             return  # an embedding thread: signals stay the application's
-        caught = (signal.SIGINT,) if self.multiprocess else (signal.SIGINT, signal.SIGTERM)
+        caught = [signal.SIGINT] if self.multiprocess else [signal.SIGINT, signal.SIGTERM]
+        if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # started to ignore it (`cmd &` in a script,
+            caught.remove(signal.SIGINT)                         # launch/local.sh): it stays ignored
         self.pipe = os.pipe()
         os.set_blocking(self.pipe[1], False)
         self.previous = {s: signal.signal(s, lambda *_: None) for s in caught}  # the thread below acts
