@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -64,7 +66,36 @@ def mesh_devices(cfg: config_lib.RunConfig) -> int:
     return cfg.mesh.device_count(DEFAULT_CPU_DEVICES)
 
 
+def stop_before_training(signum, _frame) -> None:
+    """SIGINT or SIGTERM before the run handles them (runtime/preemption.py): nothing to save."""
+    from shardtrain.runtime.preemption import EXIT_PREEMPTED
+    print(f"\nshardtrain: {signal.Signals(signum).name} before training started: nothing was trained; stopping "
+          f"(exit {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+    os._exit(EXIT_PREEMPTED)
+
+
+@contextlib.contextmanager
+def stopping_before_training():
+    """Within the block SIGINT and SIGTERM stop the process at once (loop.train installs the run's
+    own handling inside it); a signal ignored from the start stays ignored."""
+    main = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM) if main}
+    previous = {sig: h for sig, h in previous.items() if h not in (signal.SIG_IGN, None)}  # None: not Python's
+    for sig in previous:
+        signal.signal(sig, stop_before_training)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_train(args) -> int:
+    with stopping_before_training():
+        return train(args)
+
+
+def train(args) -> int:
     started = time.time()
     cfg = config_lib.load(args.config, args.overrides)
     if cfg.checkpoint.init_from and Path(cfg.checkpoint.init_from).resolve() == Path(cfg.run_dir).resolve():
@@ -320,6 +351,9 @@ def main(argv=None) -> None:
     except config_lib.ConfigError as e:  # in a run of several processes, leaving_on_error reports it
         print(f"shardtrain: error: {e}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # Ctrl-C before `train` handles it (importing, loading), or in another command
+        print(f"\nshardtrain: interrupted (Ctrl-C); stopped {args.command} (exit 130)", file=sys.stderr)
+        code = 130
     sys.exit(code)
 
 

@@ -60,7 +60,8 @@ class Preemption:
             return
         signal.set_wakeup_fd(self.previous_fd)
         for s, handler in self.previous.items():
-            signal.signal(s, handler)
+            if handler is not None:  # None: a handler not installed from Python, which cannot be put back
+                signal.signal(s, handler)
         os.close(self.pipe[1])  # the thread reads EOF and ends
         self.pipe = None
 

@@ -29,12 +29,18 @@ BASE = ["meshes/demo.yaml", *TINY, "model.name=mlp", f"train.steps={STEPS}",
         f"optimizer.decay_steps={STEPS}", "checkpoint.every_steps=2"]
 
 
+CLI_WITH_SIGINT = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "runpy.run_module('shardtrain.cli', run_name='__main__')")
+
+
 def start(run_dir, *overrides, devices=8, env=None, log=None) -> subprocess.Popen:
-    """The run in a subprocess; its output through a pipe, or into the file `log` (to read it while it runs)."""
+    """The run in a subprocess; its output through a pipe, or into the file `log` (to read it while it runs).
+    Its SIGINT is the default one, as in a terminal, even where pytest was started with SIGINT ignored
+    (`pytest &` in a script), which a child would inherit and keep (runtime/preemption.py)."""
     env = cli_env(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}",
                   **(env or {}))
     with open(log or os.devnull, "w") as out:  # the child keeps its own copy
-        return subprocess.Popen([sys.executable, "-m", "shardtrain.cli", "train", *BASE, f"run_dir={run_dir}",
+        return subprocess.Popen([sys.executable, "-c", CLI_WITH_SIGINT, "train", *BASE, f"run_dir={run_dir}",
                                  *overrides], cwd=ROOT, env=env, stdout=out if log else subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
 
