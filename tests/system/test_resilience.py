@@ -150,6 +150,24 @@ def test_goodput_report_adds_up_and_counts_redone_steps_and_the_restart_gap(tmp_
     assert "goodput 0.125" in goodput.table(rep)
 
 
+def test_the_goodput_clock_writes_nothing_before_ready_and_nothing_at_all_when_refused(tmp_path):
+    path = tmp_path / goodput.FILE
+    refused = goodput.Clock(tmp_path, 1.0, write=True)
+    refused.discard()
+    refused.close()
+    assert not path.exists()
+    crashed = goodput.Clock(tmp_path, 2.0, write=True)  # failed while compiling: its time was lost, and is counted
+    assert not path.exists()
+    crashed.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"kind": "start", "t": 2.0}]
+    (tmp_path / "full" / goodput.FILE).mkdir(parents=True)  # open() fails as on a full disk
+    full = goodput.Clock(tmp_path / "full", 3.0, write=True)
+    full.ready(0, 0.0)
+    assert full.failed == f"cannot write {tmp_path / 'full' / goodput.FILE}: Is a directory"
+    full.step(1)  # later records are dropped, not raised
+    full.close()
+
+
 def test_stragglers_are_named_after_consecutive_slow_log_steps():
     cfg = config.WatchdogConfig(straggler_factor=1.5, straggler_logs=2)
     s = health.Stragglers(cfg, 3)
