@@ -64,7 +64,8 @@ def split_docs(ds: Path, split: str) -> list[list[int]]:
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """`shardtrain ARGV...` in this process: (exit code, stdout, stderr)."""
+    from conftest import merged
     with pytest.raises(SystemExit) as e:
-        cli.main(list(argv))
+        cli.main(merged(argv))
     captured = capsys.readouterr()
     return e.value.code, captured.out, captured.err

@@ -17,7 +17,7 @@ TINY = [*conftest.TINY, "data.source=text", "data.seq_len=32", "train.compile_ca
 
 def run_cli(capsys, *argv):
     with pytest.raises(SystemExit) as e:
-        cli.main(list(argv))
+        cli.main(conftest.merged(argv))
     return e.value.code, capsys.readouterr().err
 
 
@@ -93,6 +93,12 @@ def test_demo_config_trains_on_text(tmp_path):
     (["ckpt", "{tmp}/empty.yaml"], "'{tmp}/empty.yaml' is a file; pass the run directory"),
     (["plan", "meshes/demo.yaml", "--devices", "-8"], "--devices: must be a positive device count"),
     (["plan", "meshes/demo.yaml", "--devices", "0"], "--devices: must be a positive device count"),
+    (["train", "meshes/demo.yaml", "train.seed=-1"], "error: train.seed: must be between 0 and 2147483647, got -1"),
+    (["train", "meshes/demo.yaml", "model.d_model=0"], "error: model.d_model: must be > 0, got 0"),
+    (["train", "meshes/demo.yaml", "train.steps=99999999999999999999999"], "error: train.steps: 9999"),
+    (["train", "meshes/demo.yaml", "model.rope_theta=.nan"], "error: model.rope_theta: must be a finite number"),
+    (["train", "meshes/demo.yaml", "data.source=tokens", "data.mixture=[{{path: /a, weight: .inf}}]"],
+     "error: data.mixture[0].weight: must be a finite number, got inf"),
 ])
 def test_newcomer_mistakes_exit_2_with_one_line_before_training(capsys, tmp_path, argv, message):
     (tmp_path / "empty.yaml").write_text("")
@@ -102,7 +108,7 @@ def test_newcomer_mistakes_exit_2_with_one_line_before_training(capsys, tmp_path
     code, err = run_cli(capsys, *argv)
     assert code == 2 and message.format(tmp=tmp_path) in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
 @pytest.mark.slow
@@ -167,6 +173,15 @@ def test_start_of_a_run_says_its_mode_in_one_line(overrides, line):
     from shardtrain.parallel import mesh as mesh_lib
     cfg = config.load("meshes/demo.yaml", overrides)
     assert line in loop.mode_line(step.build(cfg, mesh_lib.make_mesh(cfg.mesh)))
+
+
+def test_a_key_given_twice_on_the_command_line_exits_2_naming_it(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:  # (run_cli would merge the two)
+        cli.main(["train", "meshes/demo.yaml", "train.steps=3", "train.steps=5", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == ("shardtrain: error: override 'train.steps' is given twice ('train.steps=3' "
+                                         "and 'train.steps=5'); give it once\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_lora_targets_the_model_lacks_stop_train_before_anything_is_written(tmp_path, capsys):
