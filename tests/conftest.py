@@ -33,22 +33,7 @@ pytest_plugins = ["prepared_data"]  # the prepared token data's fixtures (tests/
 TINY = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=16", "train.global_batch_size=8",
         "data.source=synthetic"]
 """Overrides of a model and run small enough for any test (`from conftest import TINY`); a test adds
-or overrides what it needs after them (later overrides win in config.load; a command line refuses
-a repeated key, so tests that run the CLI pass their argv through `merged`)."""
-
-
-def merged(argv) -> list[str]:
-    """argv with each repeated KEY=VALUE override given once: where it first appears, with its last
-    value (what config.load would apply), as a command line must (it refuses a repeated key)."""
-    last = {w.partition("=")[0]: w for w in argv if "=" in w}
-    out, seen = [], set()
-    for w in argv:
-        key = w.partition("=")[0] if "=" in w else None
-        if key not in seen:
-            out.append(last[key] if key else w)
-        if key:
-            seen.add(key)
-    return out
+or overrides what it needs after them (later overrides win)."""
 
 
 def run_steps(prog, steps: int) -> tuple[dict, list[float]]:

@@ -64,8 +64,7 @@ def split_docs(ds: Path, split: str) -> list[list[int]]:
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """`shardtrain ARGV...` in this process: (exit code, stdout, stderr)."""
-    from conftest import merged
     with pytest.raises(SystemExit) as e:
-        cli.main(merged(argv))
+        cli.main(list(argv))
     captured = capsys.readouterr()
     return e.value.code, captured.out, captured.err

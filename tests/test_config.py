@@ -120,11 +120,11 @@ def test_unusable_config_files_name_the_file(tmp_path, text, message):
     assert "<unicode string>" not in str(e.value)
 
 
-def test_a_key_given_twice_on_the_command_line_is_refused():
-    with pytest.raises(ConfigError) as e:  # (the last value used to win silently; the CLI calls check_once)
-        config.check_once(["train.steps=3", "train.log_every=2", "train.steps=5"])
-    assert str(e.value) == "override 'train.steps' is given twice ('train.steps=3' and 'train.steps=5'); give it once"
-    config.check_once(["train.steps=3", "train.log_every=3"])
+def test_a_key_given_twice_is_said_and_the_last_one_wins():  # (the CLI prints these lines)
+    overrides = ["train.steps=3", "train.log_every=2", "train.steps=5", "train.steps=7"]
+    assert config.repeated(overrides) == ["train.steps is given 3 times ('3', then '5', then '7'); the last one wins"]
+    assert config.load("meshes/demo.yaml", overrides).train.steps == 7
+    assert config.repeated(["train.steps=3", "train.log_every=3"]) == []
 
 
 def test_a_yaml_alias_bomb_is_refused_at_once_in_a_short_line(tmp_path):

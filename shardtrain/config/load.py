@@ -167,22 +167,21 @@ def read_yaml(p: Path) -> dict:
     return tree
 
 
-def check_once(overrides: typing.Sequence[str]) -> None:
-    """A ConfigError naming the first KEY of `key=value` overrides that is given twice: on a command
-    line that is a mistake (`load` itself applies them in order, so code may build on a list)."""
-    given: dict[str, str] = {}
+def repeated(overrides: typing.Sequence[str]) -> list[str]:
+    """A line for each KEY that `key=value` overrides give more than once, saying which value wins
+    (the last, as `load` applies them in order: scripts build on a base list of overrides)."""
+    given: dict[str, list[str]] = {}
     for item in overrides:
-        key, sep, _ = item.partition("=")
-        key = key.strip()
-        if sep and key in given:
-            raise ConfigError(f"override {shown(key, 100)} is given twice ({shown(given[key], 60)} and "
-                              f"{shown(item, 60)}); give it once")
-        given[key] = item
+        key, sep, raw = item.partition("=")
+        if sep:
+            given.setdefault(key.strip(), []).append(raw)
+    return [f"{shown(k, 100)[1:-1]} is given {len(v)} times ({', then '.join(shown(x, 60) for x in v)}); "
+            f"the last one wins" for k, v in given.items() if len(v) > 1]
 
 
 def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
     """Loads a YAML config (or the defaults) and applies `key=value` overrides (YAML values, in order:
-    a later one wins; the command line refuses a repeated key first, `check_once`)."""
+    a later one wins; the command line says so, `repeated`)."""
     tree: dict = {}
     if path is not None:
         p = Path(path)

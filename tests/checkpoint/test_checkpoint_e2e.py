@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import FAST_COMPILE, TINY, cli_env, merged
+from conftest import FAST_COMPILE, TINY, cli_env
 from shardtrain.checkpoint import listing
 
 pytestmark = pytest.mark.slow
@@ -29,8 +29,7 @@ BASE = ["meshes/demo.yaml", *TINY, "model.name=mlp", f"train.steps={STEPS}",
 
 def start(run_dir, *overrides, devices=8) -> subprocess.Popen:
     env = cli_env(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}")
-    argv = merged([*BASE, f"run_dir={run_dir}", *overrides])
-    return subprocess.Popen([sys.executable, "-m", "shardtrain.cli", "train", *argv],
+    return subprocess.Popen([sys.executable, "-m", "shardtrain.cli", "train", *BASE, f"run_dir={run_dir}", *overrides],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, merged
+from conftest import cli_env
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "launch/README.md", "bench/README.md"]
@@ -259,7 +259,7 @@ def run(c: Command, extra=(), timeout=900, cwd=REPO):
     env |= {"JAX_PLATFORMS": "cpu", "SHARDTRAIN_CMD": f"{sys.executable} -m shardtrain.cli",
             "SHARDTRAIN_HEARTBEAT_TIMEOUT": "100",  # local.sh's 10 s misfires when CI's 2 cores compile twice
             **c.env}
-    return subprocess.run(merged([*argv, *extra]), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*argv, *extra], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def expect(c: Command, r) -> None:

@@ -37,7 +37,7 @@ def env() -> dict:
 
 
 def command(n_processes: int, run_dir: Path, *overrides: str) -> list[str]:
-    args = conftest.merged(["meshes/demo.yaml", f"run_dir={run_dir}", *TINY, *overrides])
+    args = ["meshes/demo.yaml", f"run_dir={run_dir}", *TINY, *overrides]
     if n_processes == 1:
         return [sys.executable, "-m", "shardtrain.cli", "train", *args]
     return ["launch/local.sh", str(n_processes), *args]
@@ -272,8 +272,8 @@ def test_killed_two_process_run_on_tokens_resumes_mid_epoch_in_one(tmp_path, cap
     assert saved < max(killed) < steps_per_epoch, (saved, sorted(killed), steps_per_epoch)  # mid-epoch
 
     with pytest.raises(SystemExit) as e:  # in this process (8 devices): no second start-up
-        cli.main(conftest.merged(["train", str(REPO / "meshes/demo.yaml"), f"run_dir={run_dir}", *TINY, *PLAIN,
-                                  *tokens, f"train.steps={max(killed)}"]))
+        cli.main(["train", str(REPO / "meshes/demo.yaml"), f"run_dir={run_dir}", *TINY, *PLAIN, *tokens,
+                  f"train.steps={max(killed)}"])
     assert e.value.code == 0 and f"resuming from checkpoint step {saved}" in capsys.readouterr().out
     assert_close(losses(run_dir), killed, range(saved + 1, max(killed) + 1))
 
@@ -314,9 +314,8 @@ def test_restarts_survive_a_hang_and_a_lost_local_copy_with_exact_losses(one_pro
     run_dir = tmp_path / "run"
     tiers = [f"checkpoint.local.directory={tmp_path / 'local'}", "checkpoint.local.every_steps=2"]
     watchdog = ["train.watchdog.startup_s=60", "train.watchdog.hang_min_s=10"]
-    argv = conftest.merged(["launch/local.sh", "--restarts", "2", "2", "meshes/demo.yaml", f"run_dir={run_dir}",
-                            *TINY, *PLAIN, "train.steps=6", *tiers, *watchdog])
-    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+    r = subprocess.run(["launch/local.sh", "--restarts", "2", "2", "meshes/demo.yaml", f"run_dir={run_dir}", *TINY,
+                        *PLAIN, "train.steps=6", *tiers, *watchdog], cwd=REPO, capture_output=True, text=True,
                        env={**env(), "SHARDTRAIN_FAULT": "hang@3,lose@5"}, timeout=900)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]

@@ -26,7 +26,7 @@ def train(tmp_path, monkeypatch, capsys, fault: str, *overrides) -> tuple[int, s
     run_dir = tmp_path / "run"
     monkeypatch.setenv(faults.VARIABLE, fault)
     with pytest.raises(SystemExit) as e:
-        cli.main(conftest.merged(["train", str(REPO / "meshes/demo.yaml"), f"run_dir={run_dir}", *TINY, *overrides]))
+        cli.main(["train", str(REPO / "meshes/demo.yaml"), f"run_dir={run_dir}", *TINY, *overrides])
     out = capsys.readouterr()
     return e.value.code, out.out + out.err, run_dir
 
