@@ -71,7 +71,8 @@ def mode_line(prog: step_lib.Program) -> str:
     else:
         pipe = "no pipeline"
     accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
-    return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}, "
+    quant = f" with {t.quantization} matmuls" if t.quantization != "none" else ""
+    return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}{quant}, "
             f"params {t.param_dtype}; {comm}; {pipe}{accum}")
 
 

@@ -181,6 +181,8 @@ def test_start_of_a_run_says_what_trains(overrides, line):
      "gradients reduced every step in float32; pipeline gpipe, 2 stages, 8 micro-batches; 2 accumulation steps"),
     (["train.comm.sync=local_sgd", "train.comm.sync_every=4"],
      "local SGD over data, sync every 4 steps in float32 (outer lr 1.0, momentum 0.0)"),
+    (["train.quantization=int8", "train.compute_dtype=bfloat16"],
+     "; remat none; compute bfloat16 with int8 matmuls, params float32; "),
 ])
 def test_start_of_a_run_says_its_mode_in_one_line(overrides, line):
     from shardtrain import config, loop, step
