@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 
 import jax
 
@@ -33,8 +34,8 @@ class Evaluator:
                 from None
         self.dataset = loader.eval_samples(prog.cfg, opened)
         line = rereads(prog.cfg, opened)
-        if line and jax.process_index() == 0:
-            print(line, flush=True)
+        if line and jax.process_index() == 0:  # (`shardtrain eval`'s stdout is its JSON row)
+            print(line, file=sys.stdout if in_training else sys.stderr, flush=True)
 
     def __call__(self, params) -> dict[str, float]:
         cfg = self.prog.cfg

@@ -86,7 +86,8 @@ def test_missing_config_file():
     ("model.vocab_size=-3", "model.vocab_size: must be > 0, got -3"),
     ("model.rope_scaling={factor: 0}", "model.rope_scaling.factor: must be > 0, got 0.0"),
     ("train.steps=99999999999999999999999",
-     "train.steps: 99999999999999999999999 is out of range (at most 9223372036854775807 either way)"),
+     "train.steps: 99999999999999999999999 is out of range (an integer here is at most 9223372036854775807 in "
+     "magnitude)"),
     ("train.steps=2147483648", "train.steps: must be at most 2147483647 (the optimizer counts steps in an int32)"),
     ("model.rope_theta=.nan", "model.rope_theta: must be a finite number, got nan"),
     ("optimizer.learning_rate=.inf", "optimizer.learning_rate: must be a finite number, got inf"),

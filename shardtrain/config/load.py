@@ -67,7 +67,8 @@ def _convert(tp, value, where: str):
         if number is not None:
             return number
     if tp is int and isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
-        raise ConfigError(f"{where}: {shown(value)} is out of range (at most {INT_LIMIT} either way)")
+        raise ConfigError(f"{where}: {shown(value)} is out of range (an integer here is at most {INT_LIMIT} "
+                          "in magnitude)")
     if tp in (int, str, bool) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shown(value)}")
