@@ -91,9 +91,9 @@ def check_changes(cfg: config_lib.RunConfig, resumed: dict | None, directory: st
             f"resuming from checkpoint step {step} in {directory} would change {what}: {said(refused)}; to do it on "
             f"purpose, allow it (checkpoint.allow_changes=[{','.join(keys)}]) or start a new run from these weights "
             f"(checkpoint.init_from={directory}/{step} run_dir=NEW_DIR)")
-    if changes:
-        say(f"changed since step {step}: " + said([(k + " (allowed)" * ((k, old, new) in function + data), old, new)
-                                                    for k, old, new in changes]))
+    marked = [(f"{k} (allowed)" if (k, old, new) in function + data else k, old, new) for k, old, new in changes]
+    if marked:
+        say(f"changed since step {step}: {said(marked)}")
 
 
 def said(changes) -> str:

@@ -176,7 +176,7 @@ def repeated(overrides: typing.Sequence[str]) -> list[str]:
         key, sep, raw = item.partition("=")
         if sep:
             given.setdefault(key.strip(), []).append(raw)
-    return [f"{shown(k, 100)[1:-1]} is given {len(v)} times ({', then '.join(shown(x, 60) for x in v)}); "
+    return [f"{k[:100]} is given {len(v)} times ({', then '.join(shown(x, 60) for x in v)}); "
             f"the last one wins" for k, v in given.items() if len(v) > 1]
 
 
