@@ -346,6 +346,8 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse(argv)
     skip_absent_accelerators()
+    for line in config_lib.repeated(getattr(args, "overrides", None) or []):  # train.steps=3 ... train.steps=5
+        print(f"shardtrain: {line}", flush=True)
     try:
         code = args.func(args)
     except config_lib.ConfigError as e:  # in a run of several processes, leaving_on_error reports it

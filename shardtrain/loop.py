@@ -14,7 +14,7 @@ import jax
 
 from models import is_adapter
 from shardtrain import config as config_lib, evaluate, optim, step as step_lib, weights
-from shardtrain.checkpoint import listing, local as local_tier, manager
+from shardtrain.checkpoint import diagnose, listing, local as local_tier, manager
 from shardtrain.data import loader
 from shardtrain.metrics import Metrics
 from shardtrain.parallel import mesh as mesh_lib, sharding
@@ -52,7 +52,8 @@ def mode_line(prog: step_lib.Program) -> str:
     else:
         pipe = "no pipeline"
     accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
-    return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}, "
+    quant = f" with {t.quantization} matmuls" if t.quantization != "none" else ""
+    return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}{quant}, "
             f"params {t.param_dtype}; {comm}; {pipe}{accum}")
 
 
@@ -106,6 +107,7 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodp
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     resumed = listing.newest_meta(cfg)
     optim.check_resume(cfg, resumed, listing.directory(cfg))  # another optimizer's state fails here, not at restore
+    diagnose.check_changes(cfg, resumed, listing.directory(cfg), say)  # refuses a new function or data; says the rest
     cfg, lr_line = optim.resolve_schedule(cfg, resumed)  # a resume keeps the recorded schedule
     injected = faults.Faults(cfg.run_dir, jax.process_index(), jax.process_count())
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), nan_at=injected.nan_step())

@@ -42,6 +42,18 @@ def test_eval_reads_the_runs_config_unless_given_one(tmp_path):
         cli.eval_paths(["/nowhere"])
 
 
+def test_an_eval_that_wraps_around_a_small_split_says_so_once(prepared, cfg_factory, capsys):
+    cfg = cfg_for(cfg_factory, prepared, "train.eval_steps=1000")
+    held = len(loader.sources(cfg, "eval")[0])
+    evaluate.Evaluator(types.SimpleNamespace(cfg=cfg))  # only its config is read before the evaluation
+    assert capsys.readouterr().out == (
+        f"eval: each evaluation reads 8000 windows (train.eval_steps=1000 x train.global_batch_size=8), but the "
+        f"held-out split has {held}: it reads some twice and counts their tokens again; train.eval_steps={held // 8} "
+        "reads each at most once\n")
+    evaluate.Evaluator(types.SimpleNamespace(cfg=cfg_for(cfg_factory, prepared, f"train.eval_steps={held // 8}")))
+    assert capsys.readouterr().out == ""
+
+
 def test_an_empty_eval_split_says_what_fits_the_command(tok_path, corpus, cfg_factory, tmp_path):
     """`shardtrain eval` is not told to set train.eval_every=0; training with evaluation is."""
     prepare.prepare([str(corpus / "c*.txt")], prepare.Options(str(tok_path), str(tmp_path / "ds")), workers=1,

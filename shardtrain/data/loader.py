@@ -141,10 +141,10 @@ def samples(cfg: RunConfig, opened: list | None = None) -> grain.MapDataset:
     return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture]) if cfg.data.mixture else parts[0]
 
 
-def eval_samples(cfg: RunConfig) -> grain.MapDataset:
+def eval_samples(cfg: RunConfig, opened: list | None = None) -> grain.MapDataset:
     """The held-out windows in order (repeated if a pass needs more than the split holds); a
-    mixture's eval splits interleaved by the same weights."""
-    parts = [grain.MapDataset.source(s).repeat() for s in sources(cfg, "eval")]
+    mixture's eval splits interleaved by the same weights. `opened`: `sources(cfg, "eval")`."""
+    parts = [grain.MapDataset.source(s).repeat() for s in opened or sources(cfg, "eval")]
     return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture]) if cfg.data.mixture else parts[0]
 
 
