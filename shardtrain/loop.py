@@ -111,6 +111,7 @@ def train(cfg: config_lib.RunConfig, started: float | None = None) -> int:
 def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodput.Clock) -> int:
     """Build, then compile and start (or resume), then run the steps; `opened` closes what it opens."""
     sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
+    cfg = weights.check_tokenizer(cfg, sources)  # the weights' tokenizer is the data's; data.tokenizer recorded
     dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     resumed = listing.newest_meta(cfg)
