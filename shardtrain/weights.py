@@ -12,7 +12,6 @@ A source is one of
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import shutil
 import time
@@ -143,7 +142,7 @@ def check_tokenizer(cfg: config_lib.RunConfig, opened: list) -> config_lib.RunCo
     for whose, theirs, _ in models:
         if theirs is None or theirs == fp or allow:
             continue
-        tok = next((d for _, _, tokenizer_dir in models if (d := tokenizer_dir())), "THE_MODEL'S_TOKENIZER")
+        tok = next((d for _, _, d in models if d is not None), "THE_MODEL'S_TOKENIZER")
         if cfg.data.source == "text":
             raise config_lib.ConfigError(
                 f"data.source=text feeds UTF-8 bytes as token ids, but {whose} reads another tokenizer ({theirs}): "
@@ -157,16 +156,17 @@ def check_tokenizer(cfg: config_lib.RunConfig, opened: list) -> config_lib.RunCo
 
 
 def model_tokenizers(cfg: config_lib.RunConfig) -> list:
-    """(whose, fingerprint or None, a function giving the tokenizer's directory) of each tokenizer the
+    """(whose, fingerprint or None, the tokenizer's directory or None) of each tokenizer the
     run's weights come with: a resumed run's, else checkpoint.init_from's (recorded in their config,
     else found along their chain: hf/tokenizer.py), then data.tokenizer as set."""
     def of(config: dict, dirs: tuple) -> tuple:
-        found = functools.lru_cache(None)(lambda: hf_tokenizer.find(list(dirs), config))
+        tok_dir = next((d for d in dirs if any((d / n).is_file() for n in hf_tokenizer.TOKENIZER_FILES)), None)
         recorded = (config.get("data") or {}).get("tokenizer")
-        if recorded is None:
-            f = found()
-            recorded = tokenize.fingerprint_of(f.dir) if f.dir else tokenize.BYTES if f.byte_ids else None
-        return recorded, lambda: found().dir
+        if recorded is None and tok_dir is not None:  # one that does not load here is still not the data's
+            recorded = tokenize.fingerprint_of(tok_dir) or f"the one in {tok_dir}, which does not load here"
+        elif recorded is None and hf_tokenizer.find(list(dirs), config).byte_ids:
+            recorded = tokenize.BYTES
+        return recorded, tok_dir
 
     out = []
     meta = listing.newest_meta(cfg)
@@ -177,7 +177,7 @@ def model_tokenizers(cfg: config_lib.RunConfig) -> list:
         source = find(cfg.checkpoint.init_from)
         out.append((f"the model of checkpoint.init_from={cfg.checkpoint.init_from}", *of(source.config, source.dirs)))
     if cfg.data.tokenizer is not None:
-        out.append(("the model (data.tokenizer, as set in the config)", cfg.data.tokenizer, lambda: None))
+        out.append(("the model (data.tokenizer, as set in the config)", cfg.data.tokenizer, None))
     return out
 
 
