@@ -6,7 +6,7 @@ import shutil
 
 import jax
 import pytest
-from hf_reference import FIXTURES
+from hf_reference import FIXTURES, rewrite_header
 
 from shardtrain import cli, config, step, weights
 from shardtrain.config import ConfigError
@@ -45,8 +45,9 @@ def test_bad_hf_directories_fail_before_any_work(tmp_path):
 
 
 def test_weight_files_must_be_the_directorys_own(tmp_path, capsys):
-    """An index naming ../ or an absolute path, or a shard that links out of the directory: one line
-    naming the file, exit 2, nothing written; a Hugging Face hub snapshot's links into its blobs/ load."""
+    """An index naming ../ or an absolute path, a shard that links out of the directory, a header with
+    negative offsets: one line naming the file (and tensor), exit 2, nothing written; a Hugging Face
+    hub snapshot's links into its blobs/ load."""
     shard = "model-00001-of-00003.safetensors"
 
     def copy(name):
@@ -72,6 +73,14 @@ def test_weight_files_must_be_the_directorys_own(tmp_path, capsys):
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
         assert "model.safetensors.index.json names weight file" in err and shard in err and what in err, err
         assert not (tmp_path / "out").exists()
+    shutil.copytree(FIXTURES / "qwen2", tmp_path / "negative")
+    layernorm = "model.layers.0.input_layernorm.weight"
+    rewrite_header(tmp_path / "negative" / "model.safetensors", lambda h: h[layernorm].update(data_offsets=[-72, -8]))
+    with pytest.raises(SystemExit) as e:  # would read the header's JSON as weights
+        cli.main(["import-hf", str(tmp_path / "negative"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), err
+    assert f"negative/model.safetensors: tensor {layernorm}: data_offsets [-72, -8] lie outside" in err, err
     hub = tmp_path / "models--x" / "snapshots" / "rev"  # huggingface_hub's cache: FILE -> ../../blobs/HASH
     shutil.copytree(FIXTURES / "qwen3", hub)
     (tmp_path / "models--x" / "blobs").mkdir()

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from hf_reference import rewrite_header
 
 from shardtrain.config import ConfigError
 from shardtrain.hf import safetensors_io
@@ -41,19 +42,6 @@ def test_every_dtype_reads_back_and_an_unknown_one_is_a_config_error(tmp_path):
             read("w")
 
 
-def rewrite(path, edit=None, length=None):
-    """The safetensors file at `path` with its header edited (`edit(header)`) or its length field replaced."""
-    import json
-    import struct
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    if edit:
-        edit(header)
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + raw[8 + n:])
-
-
 @pytest.mark.parametrize("case, edit, length, message", [
     ("negative", lambda h: h["a"].update(data_offsets=[-24, 0]), None,
      r"tensor a: data_offsets \[-24, 0\] lie outside the file's 30 bytes of data"),
@@ -76,6 +64,6 @@ def test_malformed_headers_are_refused_before_any_tensor_is_read(tmp_path, case,
     arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones((3,), ml_dtypes.bfloat16)}
     path = tmp_path / "x.safetensors"
     safetensors_io.write(path, [(k, v.shape, v.dtype) for k, v in arrays.items()], arrays.__getitem__)
-    rewrite(path, edit, length)
+    rewrite_header(path, edit, length)
     with pytest.raises(ConfigError, match=f"x.safetensors: {message}"):
         safetensors_io.Reader([path])
