@@ -103,6 +103,7 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodp
     Nothing is written to run_dir before `clock.ready` (goodput.jsonl, config.yaml, metrics.jsonl):
     a ConfigError raised before it leaves the run dir as it was."""
     sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
+    cfg = weights.check_tokenizer(cfg, sources)  # the weights' tokenizer is the data's; data.tokenizer recorded
     dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     resumed = listing.newest_meta(cfg)

@@ -154,6 +154,13 @@ class DataConfig:
     verify: Literal["size", "checksum"] = "size"
     """tokens: check each shard's size against the manifest (cheap), or also its sha256 (reads
     every shard once at start)."""
+    tokenizer: Optional[str] = None
+    """The fingerprint of the tokenizer the model reads (`bytes`, or `N tokens, sha256 HEX`: its
+    vocabulary's, as `prepare` records it in manifest.json); null: the data's, resolved at the run's
+    start and recorded in run_dir/config.yaml and every checkpoint (import-hf writes its model's). The
+    data, checkpoint.init_from's weights and a resumed run's must all have this tokenizer."""
+    allow_tokenizer_mismatch: bool = False
+    """true: train anyway on data tokenized by another tokenizer than the weights' (else one-line error)."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import grain
 import numpy as np
 
 from shardtrain.config import ConfigError, DataConfig, RunConfig
-from shardtrain.data import storage, token_shards
+from shardtrain.data import storage, token_shards, tokenize
 
 DATA_PATH_TO_FILL_IN = "PREPARED_DATA_DIR"
 """data.path of the config import-hf writes: a placeholder the user replaces with a prepared directory."""
@@ -130,6 +130,18 @@ def sources(cfg: RunConfig, split: str = "train") -> list:
     if cfg.data.mixture:
         return [token_shards.windows(cfg, split, entry.path) for entry in cfg.data.mixture]
     return [source(cfg, split)]
+
+
+def tokenizers(cfg: RunConfig, opened: list) -> list[tuple[str, str]]:
+    """(which data, the fingerprint of its tokenizer) of each opened source: the text source's bytes,
+    each prepared directory's own (where known); synthetic data has none."""
+    if cfg.data.source == "text":
+        return [("data.source=text", tokenize.BYTES)]
+    if not packed(cfg):
+        return []
+    found = [(f"data.path={w.split.directory}", token_shards.tokenizer_fingerprint(w.split.manifest, w.split.directory))
+             for w in opened]
+    return [(where, fp) for where, fp in found if fp]
 
 
 def samples(cfg: RunConfig, opened: list | None = None) -> grain.MapDataset:
