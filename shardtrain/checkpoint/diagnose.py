@@ -63,7 +63,8 @@ embedding are computed (the same function), and the MoE balancing losses' weight
 DATA_STREAM = ("data.source", "data.path", "data.mixture", "data.seq_len", "train.seed", "train.global_batch_size")
 """Fields that make sample i of the data (a function of the seed, the files and the window length)
 or its position (step x batch) another one."""
-SAID_ELSEWHERE = (*(f"optimizer.{k}" for k in optim.SCHEDULE_FIELDS), "optimizer.name", "checkpoint.allow_changes")
+SAID_ELSEWHERE = (*(f"optimizer.{k}" for k in optim.SCHEDULE_FIELDS), "optimizer.name", "checkpoint.allow_changes",
+                  "data.tokenizer", "data.allow_tokenizer_mismatch")  # the tokenizer: weights.check_tokenizer
 """Changes the run says (or refuses) in its own line: the schedule (`lr ... re-planned`), optimizer.name."""
 
 
