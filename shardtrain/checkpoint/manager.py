@@ -44,7 +44,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from shardtrain import config as config_lib
-from shardtrain.checkpoint import diagnose, listing
+from shardtrain.checkpoint import diagnose, integrity, listing
 
 LOG_FILE = "shardtrain.log"
 """In run_dir: what the checkpoint library logs (errors with their tracebacks), not the console."""
@@ -155,11 +155,22 @@ class Checkpointer:
         self.uncommitted = [s.step for s in listing.scan(self.dir) if s.state == "uncommitted"]
         options = ocp.CheckpointManagerOptions(
             max_to_keep=c.max_to_keep, keep_period=c.keep_period, enable_async_checkpointing=True,
-            create=True, cleanup_tmp_directories=True)
+            create=True, cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums))
         self.manager = ocp.CheckpointManager(self.dir, options=options, item_handlers={
             "state": state_handler(jax.process_count() > 1 if replica_parallel is None else replica_parallel),
             "meta": ocp.JsonCheckpointHandler()})
         self.saving_step: int | None = None
+        self.unverified: list[int] = []
+        """Steps restored without checksums to verify (written before shardtrain recorded them)."""
+
+    def _record_checksums(self) -> None:
+        """Orbax calls this in its background thread once the step being saved is written, before it
+        commits it (renames the temporary directory): the step is committed with its checksums."""
+        if jax.process_index() == 0:
+            root = epath.Path(self.dir)
+            tmp = sorted(root.glob(f"{self.saving_step}{listing.TMP_MARK}*"))
+            integrity.record(tmp[-1] if tmp else root / str(self.saving_step))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -171,6 +182,8 @@ class Checkpointer:
             return self._restore(step)
 
     def _restore(self, step: int) -> tuple[dict, dict]:
+        if jax.process_index() == 0 and not integrity.verify(epath.Path(self.dir) / str(step)):
+            self.unverified.append(step)  # the other processes wait for process 0's verdict in restore_latest
         saved = self.manager.item_metadata(step)["state"]
         if saved is None:
             raise FileNotFoundError("its array metadata (state/_METADATA) is missing")
@@ -196,12 +209,14 @@ class Checkpointer:
         for step in self.uncommitted:
             say(f"checkpoint step {step} was never committed (the process stopped while writing it); ignoring it")
         failed = []
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        for step in reversed(listing.committed_in(self.dir)):  # what `shardtrain ckpt` calls committed
             try:
                 state, meta = self.restore(step)
                 error = None
             except config_lib.ConfigError:
                 raise
+            except integrity.Damaged as e:
+                error = str(e)
             except Exception as e:  # noqa: BLE001 - any read failure makes the step unusable
                 error = diagnose.read_error(e, epath.Path(self.dir) / str(step))
             if all_processes_agree(error is None):
@@ -209,6 +224,9 @@ class Checkpointer:
                     self.set_aside(bad, reason)
                     say(f"checkpoint step {bad} is unusable ({reason}); moved it to "
                         f"{self.dir}/{listing.UNUSABLE_DIR}/{bad} and fell back to step {step}")
+                if step in self.unverified:
+                    say(f"checkpoint step {step} has no checksums (written before shardtrain recorded them); "
+                        "restored it unverified")
                 return state, meta
             failed.append((step, error or "unreadable on another process"))
         if failed:
