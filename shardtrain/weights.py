@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
+from etils import epath
 
 import models
 from models import LORA_A, LORA_B, is_adapter
 from shardtrain import config as config_lib
-from shardtrain.checkpoint import diagnose, listing, manager
+from shardtrain.checkpoint import diagnose, integrity, listing, manager
 from shardtrain.data import loader
 from shardtrain.hf import io as hf_io, tokenizer as hf_tokenizer
 from shardtrain.parallel import comm, mesh as mesh_lib, sharding
@@ -128,6 +129,10 @@ def chain(cfg: dict, run_dir: Path, depth: int = 3) -> tuple[Path, ...]:
 def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     """Only `params` of a checkpoint step (the optimizer state, if any, is not read)."""
     step_dir = Path(step_dir).absolute()  # orbax's metadata of a relative path has no tree (orbax 0.12.8)
+    try:
+        integrity.verify(epath.Path(step_dir))
+    except integrity.Damaged as e:
+        raise config_lib.ConfigError(f"{step_dir}: the checkpoint is damaged ({e}); use another step") from None
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     saved = ckptr.metadata(step_dir / "state")
     saved = getattr(saved, "item_metadata", saved)

@@ -52,18 +52,23 @@ def _kvstore(step_dir: epath.Path):
     return ts.KvStore.open({"driver": "ocdbt", "base": base.rstrip("/") + "/"}).result()
 
 
-def array_checksums(step_dir: epath.Path) -> dict[str, str]:
-    """{array name: crc32 over its stored keys and values, in key order} of a step's `state` item."""
+def array_checksums(step_dir: epath.Path) -> tuple[dict[str, str], set[str]]:
+    """({array name: crc32 over its stored keys and values, in key order}, {arrays with an empty
+    value}) of a step's `state` item. tensorstore 0.1.86 reads a value whose OCDBT data file is gone
+    as empty, without an error; no zarr chunk or metadata is ever empty."""
     kv = _kvstore(step_dir)
     keys = sorted(kv.list().result())
     sums: dict[str, int] = {}
+    empty = set()
     for i in range(0, len(keys), WINDOW):
         window = keys[i:i + WINDOW]
         for key, future in [(k, kv.read(k)) for k in window]:
             name = key.decode().rsplit("/", 1)[0]
             value = future.result().value
             sums[name] = zlib.crc32(value, zlib.crc32(key, sums.get(name, 0)))
-    return {name: f"{s & 0xFFFFFFFF:08x}" for name, s in sums.items()}
+            if not value:
+                empty.add(name)
+    return {name: f"{s & 0xFFFFFFFF:08x}" for name, s in sums.items()}, empty
 
 
 def file_checksums(step_dir: epath.Path) -> dict[str, str]:
@@ -75,7 +80,7 @@ def file_checksums(step_dir: epath.Path) -> dict[str, str]:
 
 def record(step_dir: epath.Path) -> None:
     """Writes step_dir/checksums.json (atomically: a reader sees all of it or none)."""
-    sums = {"algorithm": ALGORITHM, "arrays": array_checksums(step_dir), "files": file_checksums(step_dir)}
+    sums = {"algorithm": ALGORITHM, "arrays": array_checksums(step_dir)[0], "files": file_checksums(step_dir)}
     tmp = step_dir / f"{FILE}.tmp"
     tmp.write_text(json.dumps(sums, indent=0))
     tmp.rename(step_dir / FILE)
@@ -92,14 +97,28 @@ def verify(step_dir: epath.Path) -> bool:
         want_files, want_arrays = dict(recorded["files"]), dict(recorded["arrays"])
     except (ValueError, KeyError, TypeError) as e:
         raise Damaged(f"{FILE} is damaged ({type(e).__name__})") from None
-    got_files, got_arrays = file_checksums(step_dir), array_checksums(step_dir)
-    bad = [f"{rel} is missing" if rel not in got_files else f"checksum mismatch in {rel}"
-           for rel, want in want_files.items() if got_files.get(rel) != want]
+    if not (step_dir / "state" / "manifest.ocdbt").exists():  # tensorstore would read an empty database
+        raise Damaged(f"{step_dir}/state/manifest.ocdbt is missing")
+    got_files, (got_arrays, empty) = file_checksums(step_dir), array_checksums(step_dir)
+    bad = [file_problem(step_dir / rel) for rel, want in want_files.items() if got_files.get(rel) != want]
+    bad += [f"array {name} has no data (a data file under {step_dir}/state/ocdbt.process_*/d is missing)"
+            for name in sorted(empty & want_arrays.keys())]
     bad += [f"array {name} is missing" if name not in got_arrays else f"checksum mismatch in array {name}"
-            for name, want in want_arrays.items() if got_arrays.get(name) != want]
+            for name, want in want_arrays.items() if got_arrays.get(name) != want and name not in empty]
     if bad:
         raise Damaged(summary(bad))
     return True
+
+
+def file_problem(path: epath.Path) -> str:
+    """What is wrong with a metadata file whose checksum differs."""
+    if not path.exists():
+        return f"{path} is missing"
+    try:
+        json.loads(path.read_text())
+    except ValueError:
+        return f"{path} is not valid JSON (truncated?)"
+    return f"checksum mismatch in {path}"
 
 
 def summary(problems: list[str], shown: int = 3) -> str:

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -181,6 +182,19 @@ class Checkpointer:
         with draining_event_loops():
             return self._restore(step)
 
+    def restore_given(self, step: int) -> tuple[dict, dict]:
+        """`restore` of a step a user named (eval, export): an unreadable or damaged one is a ConfigError
+        naming the step and the damage (what Orbax logs meanwhile goes to run_dir/shardtrain.log)."""
+        try:
+            with library_log(self.cfg.run_dir):
+                return self.restore(step)
+        except config_lib.ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any read failure: the step cannot be used
+            why = diagnose.read_error(e, epath.Path(self.dir) / str(step))
+            raise config_lib.ConfigError(f"checkpoint step {step} in {self.dir} cannot be used: {why}; give another "
+                                         "step (`shardtrain ckpt --verify RUN_DIR` checks them all)") from None
+
     def _restore(self, step: int) -> tuple[dict, dict]:
         if jax.process_index() == 0 and not integrity.verify(epath.Path(self.dir) / str(step)):
             self.unverified.append(step)  # the other processes wait for process 0's verdict in restore_latest
@@ -215,8 +229,6 @@ class Checkpointer:
                 error = None
             except config_lib.ConfigError:
                 raise
-            except integrity.Damaged as e:
-                error = str(e)
             except Exception as e:  # noqa: BLE001 - any read failure makes the step unusable
                 error = diagnose.read_error(e, epath.Path(self.dir) / str(step))
             if all_processes_agree(error is None):
@@ -327,13 +339,24 @@ def library_log(directory: str | Path):
     for h in console:
         root.removeHandler(h)
     root.addHandler(handler)
+    unraisable, sys.unraisablehook = sys.unraisablehook, log_unraisable
     try:
         yield
     finally:
+        sys.unraisablehook = unraisable
         root.removeHandler(handler)
         for h in console:
             root.addHandler(h)
         handler.close()
+
+
+def log_unraisable(u) -> None:
+    """sys.unraisablehook inside `library_log`: an exception nobody can catch (tensorstore completing a
+    write after Orbax closed the event loop of a failed save: "Event loop is closed", dozens of them) is
+    logged, not printed."""
+    logging.getLogger("shardtrain.unraisable").warning(
+        "%s %r", u.err_msg or "Exception ignored in", u.object,
+        exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
 
 
 def start_step_from(meta: dict, cfg: config_lib.RunConfig) -> int:
