@@ -4,6 +4,7 @@
     .venv/bin/python bench/checkpoint.py --d-model 256   # smaller and quicker
     .venv/bin/python bench/checkpoint.py --compare       # replica-parallel saving off vs on, in the same run
     .venv/bin/python bench/checkpoint.py --niceness 0    # writer threads at the train step's CPU priority
+    .venv/bin/python bench/checkpoint.py --checksums     # saves without vs with checksums, in the same run
 
 Measures, all in one run so that the ratios share the machine's load:
   1. blocking fraction: the time `Checkpointer.save()` holds the training loop (async: until the
@@ -13,7 +14,8 @@ Measures, all in one run so that the ratios share the machine's load:
      without one, measured alternately;
   3. restore ratio: `Checkpointer.restore` (metadata check + orbax restore into the sharded
      train state) over reading the same arrays straight from the checkpoint with tensorstore
-     (all arrays opened and read concurrently into host memory).
+     (all arrays opened and read concurrently into host memory). The restore verifies the step's
+     checksums first (it reads the stored values once more).
 Record: bench/results/checkpoint.jsonl.
 """
 
@@ -50,6 +52,8 @@ def parse_args() -> argparse.Namespace:
                    help="checkpoint.writer_niceness (0: writer at the step's priority)")
     p.add_argument("--compare", action="store_true",
                    help="measure saving with replica-parallel off (the single-process default) and on, interleaved")
+    p.add_argument("--checksums", action="store_true",
+                   help="measure saving without and with checksums (recorded before the commit), interleaved")
     return p.parse_args()
 
 
@@ -86,12 +90,14 @@ class Trainer:
         return self.stepper()[0]
 
 
-def checkpointers(trainer: Trainer, root: str, compare: bool) -> dict[str, manager.Checkpointer]:
+def checkpointers(trainer: Trainer, root: str, args) -> dict[str, manager.Checkpointer]:
     """One Checkpointer per variant, each with its own checkpoint directory."""
-    variants = {"replica-parallel off": False, "replica-parallel on": True} if compare else {"default": None}
+    variants = ({"replica-parallel off": {"replica_parallel": False}, "replica-parallel on": {"replica_parallel": True}}
+                if args.compare else {"checksums off": {"checksums": False}, "checksums on": {"checksums": True}}
+                if args.checksums else {"default": {}})
     return {name: manager.Checkpointer(dataclasses.replace(trainer.cfg, run_dir=os.path.join(root, name.replace(
-        " ", "_"))), trainer.prog.abstract_state, trainer.prog.mesh.shape, replica_parallel)
-        for name, replica_parallel in variants.items()}
+        " ", "_"))), trainer.prog.abstract_state, trainer.prog.mesh.shape, **kw)
+        for name, kw in variants.items()}
 
 
 def first_saves(trainer: Trainer, ckpts: dict) -> dict[str, float]:
@@ -178,8 +184,9 @@ def report(f: dict, restore: dict, saves: int) -> None:
               f"({v['steps_in_flight']} steps), {v['step_without_s']:.3f} s without ({v['steps_without']} steps, "
               f"all variants); ratio {v['step_ratio']:.2f} (goal <= 1.10); per save, {v['steps_per_save']:.1f} "
               f"steps in flight, training time lost {v['lost_per_save_s']:.2f} s")
-    print(f"[{next(iter(f))}] restore: median {restore['restore_s']:.2f} s; tensorstore direct read "
-          f"{restore['tensorstore_s']:.2f} s; ratio {restore['ratio']:.2f}")
+    for name, r in restore.items():
+        print(f"[{name}] restore: median {r['restore_s']:.2f} s; tensorstore direct read "
+              f"{r['tensorstore_s']:.2f} s; ratio {r['ratio']:.2f}")
 
 
 def main() -> None:
@@ -187,22 +194,25 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench_ckpt_")
     trainer = Trainer(args, root)
     state_mb = sum(x.nbytes for x in jax.tree.leaves(trainer.state)) / 1e6
-    ckpts = checkpointers(trainer, root, args.compare)
+    ckpts = checkpointers(trainer, root, args)
     for _ in range(3):
         trainer.step()
     first = first_saves(trainer, ckpts)
     saves = measure_saves(trainer, ckpts, args.saves)
-    restore = measure_restore(next(iter(ckpts.values())))
+    restored = list(ckpts) if args.checksums else list(ckpts)[:1]  # verified and not, or the first variant
+    restore = {name: measure_restore(ckpts[name]) for name in restored}
     for c in ckpts.values():
         c.close()
     shutil.rmtree(root, ignore_errors=True)  # the checkpoints: about 0.7 GB
     mesh = dict(trainer.prog.mesh.shape)
-    print(f"state: {state_mb:.0f} MB ({restore['arrays']} arrays) on {jax.device_count()} devices, mesh {mesh}")
+    arrays = restore[restored[0]]["arrays"]
+    print(f"state: {state_mb:.0f} MB ({arrays} arrays) on {jax.device_count()} devices, mesh {mesh}")
     f = {name: figures(saves[name], saves["without"], first[name], args.saves) for name in ckpts}
     report(f, restore, args.saves)
-    harness.record("checkpoint", {"state_mb": state_mb, "variants": f, "restore": restore},
+    harness.record("checkpoint", {"state_mb": state_mb, "variants": f, "restore": restore[restored[0]],
+                                  "restore_by_variant": restore},
                    d_model=args.d_model, layers=args.layers, saves=args.saves, niceness=args.niceness,
-                   compare=args.compare, mesh=mesh)
+                   compare=args.compare, checksums=args.checksums, mesh=mesh)
 
 
 if __name__ == "__main__":
