@@ -18,8 +18,10 @@ Safety: only committed steps (orbax writes `N.orbax-checkpoint-tmp`, then `commi
 and an atomic rename) are restored. A committed step that fails to read (files truncated or
 deleted) is reported and the next older one is tried; once a good one is found the bad ones are
 moved aside to `unusable/N` (never deleted: they no longer count towards max_to_keep and cannot
-collide with a new save of step N). If no committed step reads back, nothing is moved and the run
-stops with the reasons (the storage may only be unreachable) instead of silently starting over.
+collide with a new save of step N). A step whose bytes no longer match the checksums recorded
+before its commit (`integrity.py`) counts as unreadable. If no committed step reads back, nothing is
+moved and the run stops with the reasons (the storage may only be unreachable) instead of silently
+starting over.
 A failed async save raises `SaveFailed` at the next step boundary; orbax then skips the
 garbage collection of older steps, so good checkpoints survive a failed save.
 
