@@ -157,6 +157,8 @@ def list_main(run_dir: str) -> int:
         meta = read_meta(s.path) if s.state == "committed" else None
         mesh = describe_mesh(meta) if s.state == "committed" else \
             "half-written: the process stopped during the save" if s.state == "uncommitted" else s.note
+        if s.state == "committed" and not (s.path / integrity.FILE).exists():
+            mesh += "; no checksums (written before shardtrain recorded them)"
         print(f"{s.step:>8}  {s.state:<11}  {disk_bytes(s.path) / 1e6:>7.2f} MB  {mesh}")
     return 0
 

@@ -22,7 +22,8 @@ def test_list_shows_uncommitted_steps_and_the_custom_directory(tmp_path, capsys)
     assert listing.list_main(str(run)) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"checkpoints in {ckpts}"
-    assert out[2].split() == ["4", "committed", "0.00", "MB", "fsdp=8", "(8", "devices,", "2", "processes)"]
+    assert out[2].split()[:9] == ["4", "committed", "0.00", "MB", "fsdp=8", "(8", "devices,", "2", "processes);"]
+    assert out[2].endswith("no checksums (written before shardtrain recorded them)")  # no checksums.json
     assert out[3].split()[:4] == ["6", "uncommitted", "0.50", "MB"] and "half-written" in out[3]
 
 
