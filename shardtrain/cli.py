@@ -72,6 +72,9 @@ def cmd_train(args) -> int:
                                      "from those weights' checkpoint; give the run its own run_dir=DIR")
     from shardtrain.parallel import sharding
     sharding.check_adapters(cfg)  # the LoRA targets against the model, before anything is written
+    if cfg.checkpoint.init_from:
+        from shardtrain import weights
+        weights.find(cfg.checkpoint.init_from)  # a missing or unreadable init_from, before anything is written
     prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
     if not config_lib.is_url(cfg.checkpoint_dir()):
         prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")

@@ -137,15 +137,22 @@ def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     saved = ckptr.metadata(step_dir / "state")
     saved = getattr(saved, "item_metadata", saved)
     saved = getattr(saved, "tree", saved)
+    if saved is None:
+        raise config_lib.ConfigError(f"{step_dir}: its array metadata (state/_METADATA) is missing; use another step")
     bad = diagnose.mismatches(diagnose.leaf_shapes(saved.get("params", {})),
                               diagnose.leaf_shapes(abstract_params))
     if bad:
         raise config_lib.ConfigError(f"{step_dir}: the checkpoint's parameters do not fit this model "
                                      f"({len(bad)} paths): " + "; ".join(bad[:8]))
     item = {"params": abstract_params}
-    restored = ckptr.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
-        item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-    ckptr.close()
+    try:
+        restored = ckptr.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
+            item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+    except Exception as e:  # noqa: BLE001 - any read failure: one line naming the damage
+        raise config_lib.ConfigError(f"{step_dir} cannot be read: {diagnose.read_error(e, epath.Path(step_dir))}; "
+                                     "use another step") from None
+    finally:
+        ckptr.close()
     return restored["params"]
 
 

@@ -154,10 +154,15 @@ def test_a_failing_local_tier_warns_once(cfg_factory, capsys, monkeypatch, tmp_p
     assert tier.failed_saves == 3
 
 
-@pytest.mark.parametrize("override", ["checkpoint.max_to_keep=0", "checkpoint.max_to_keep=-1",
-                                      "checkpoint.keep_period=0", "checkpoint.local.max_to_keep=0"])
-def test_retention_that_would_delete_the_newest_step_stops_before_training(capsys, tmp_path, override):
+@pytest.mark.parametrize("override, message", [
+    ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep: must be >= 1, got 0"),
+    ("checkpoint.max_to_keep=-1", "checkpoint.max_to_keep: must be >= 1, got -1"),
+    ("checkpoint.keep_period=0", "checkpoint.keep_period: must be >= 1, got 0"),
+    ("checkpoint.local.max_to_keep=0", "checkpoint.local.max_to_keep: must be >= 1, got 0"),
+    ("checkpoint.init_from=/nonexistent", "checkpoint.init_from: '/nonexistent' does not exist"),
+])
+def test_checkpoint_options_that_would_lose_work_stop_before_anything_is_written(capsys, tmp_path, override, message):
     code, _, err = run_cli(capsys, *TRAIN, "train.steps=3", override, f"run_dir={tmp_path / 'run'}")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert f"{override.split('=')[0]}: must be >= 1" in err
+    assert message in err, err
     assert not (tmp_path / "run").exists()
