@@ -168,7 +168,7 @@ def verify_main(run_dir: str) -> int:
     directory from run_dir/config.yaml) against its checksums, one line per step; returns 0 when none
     is damaged, 1 when one is (or does not read back). A step without checksums is said, not failed."""
     check_run_dir(run_dir)
-    checks = [(f"step {s.step}", functools.partial(integrity.verify, s.path))
+    checks = [(f"step {s.step}", functools.partial(verify_step, s.path))
               for s in scan(checkpoint_dir_of(run_dir)) if s.state == "committed"]
     checks += [(f"local step {step.name} ({step.parent.name})", functools.partial(integrity.verify_local, step))
                for step in local_steps(run_dir)]
@@ -187,6 +187,17 @@ def verify_main(run_dir: str) -> int:
         print(f"{damaged} of {len(checks)} checkpoint steps are damaged; a resume skips them (moving them to "
               f"{UNUSABLE_DIR}/) and starts from the newest intact one")
     return 1 if damaged else 0
+
+
+def verify_step(step_dir: epath.Path) -> bool:
+    """integrity.verify; for a step without checksums, the files every step holds are checked (present,
+    JSON, not empty) so that a step restore cannot read is never called intact."""
+    if integrity.verify(step_dir):
+        return True
+    from shardtrain.checkpoint import diagnose  # imports jax: only here
+    if bad := diagnose.damaged_files(step_dir):
+        raise integrity.Damaged(integrity.summary(bad))
+    return False
 
 
 def local_steps(run_dir: str) -> list[Path]:

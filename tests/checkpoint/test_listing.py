@@ -32,3 +32,16 @@ def test_list_of_missing_run_dir_is_a_config_error(tmp_path):
         listing.list_main(str(tmp_path / "nope"))
     (tmp_path / "run").mkdir()
     assert listing.list_main(str(tmp_path / "run")) == 0
+
+
+def test_verify_calls_a_step_without_arrays_damaged_even_without_checksums(tmp_path, capsys):
+    """A committed step that holds only its meta (a second trainer's leftovers) is what restore
+    cannot read: --verify says so (exit 1) although the step has no checksums to compare."""
+    step = tmp_path / "run" / "checkpoints" / "4"
+    (step / "meta").mkdir(parents=True)
+    (step / "commit_success.txt").write_text("ok")
+    (step / "meta" / "metadata").write_text("{}")
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    assert listing.verify_main(str(tmp_path / "run")) == 1
+    out = capsys.readouterr().out
+    assert f"step 4: damaged: {step}/state/_METADATA is missing" in out, out
