@@ -53,7 +53,7 @@ def _kvstore(step_dir: epath.Path):
 
 
 def array_checksums(step_dir: epath.Path) -> tuple[dict[str, str], set[str]]:
-    """({array name: crc32 over its stored keys and values, in key order}, {arrays with an empty
+    """({array path: crc32 over its stored keys and values, in key order}, {arrays with an empty
     value}) of a step's `state` item. tensorstore 0.1.86 reads a value whose OCDBT data file is gone
     as empty, without an error; no zarr chunk or metadata is ever empty."""
     kv = _kvstore(step_dir)
@@ -63,7 +63,7 @@ def array_checksums(step_dir: epath.Path) -> tuple[dict[str, str], set[str]]:
     for i in range(0, len(keys), WINDOW):
         window = keys[i:i + WINDOW]
         for key, future in [(k, kv.read(k)) for k in window]:
-            name = key.decode().rsplit("/", 1)[0]
+            name = key.decode().rsplit("/", 1)[0].replace(".", "/")  # params.blocks.wq -> params/blocks/wq
             value = future.result().value
             sums[name] = zlib.crc32(value, zlib.crc32(key, sums.get(name, 0)))
             if not value:

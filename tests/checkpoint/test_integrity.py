@@ -76,13 +76,13 @@ def test_an_edited_dtype_in_the_array_metadata_is_caught(cfg_factory, tmp_path):
     key = b"params.embedding_vd/.zarray"
     zarray = json.loads(kv.read(key).result().value)
     kv.write(key, json.dumps({**zarray, "dtype": "<f2"}).encode()).result()
-    with pytest.raises(integrity.Damaged, match="checksum mismatch in array params.embedding_vd$"):
+    with pytest.raises(integrity.Damaged, match="checksum mismatch in array params/embedding_vd$"):
         integrity.verify(step_dir)
     said = []
     ckpt = checkpointer(prog)
     _, meta = ckpt.restore_latest(say=said.append)
     ckpt.close()
-    assert meta["step"] == 1 and "checkpoint step 2 is unusable (checksum mismatch in array params.embedding_vd)" in \
+    assert meta["step"] == 1 and "checkpoint step 2 is unusable (checksum mismatch in array params/embedding_vd)" in \
         said[0], said
 
 

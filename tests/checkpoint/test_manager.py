@@ -278,7 +278,7 @@ def test_damaged_step_messages_name_the_file(cfg_factory):
     ckpt = checkpointer(prog)
     expected = {1: f"{big} is truncated (", 2: f"{root}/2/state/manifest.ocdbt is missing",
                 3: f"{root}/3/state/_METADATA is not valid JSON",
-                4: "array params.blocks.w_in_df has no data (a data file under "
+                4: "array params/blocks/w_in_df has no data (a data file under "
                    f"{root}/4/state/ocdbt.process_*/d is missing)"}
     for step, message in expected.items():
         with pytest.raises(Exception) as e:
