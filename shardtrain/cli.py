@@ -103,11 +103,16 @@ def train(args) -> int:
                                      "from those weights' checkpoint; give the run its own run_dir=DIR")
     from shardtrain.parallel import sharding
     sharding.check_adapters(cfg)  # the LoRA targets against the model, before anything is written
+    if cfg.checkpoint.init_from:
+        from shardtrain import weights
+        weights.find(cfg.checkpoint.init_from)  # a missing or unreadable init_from, before anything is written
     prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
     if not config_lib.is_url(cfg.checkpoint_dir()):
         prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
     if cfg.checkpoint.local.directory:
         prepare_dir(cfg.checkpoint.local.directory, "checkpoint.local.directory")
+        from shardtrain.checkpoint import local
+        local.owner_conflict(cfg)  # another run's local tier stops before anything is written
     from shardtrain.runtime import faults
     faults.parse(os.environ.get(faults.VARIABLE))  # a malformed SHARDTRAIN_FAULT stops before any work
     simulated_devices(DEFAULT_CPU_DEVICES)
@@ -188,7 +193,7 @@ def cmd_eval(args) -> int:
 
 def cmd_ckpt(args) -> int:
     from shardtrain.checkpoint import listing
-    return listing.list_main(args.run_dir)
+    return (listing.verify_main if args.verify else listing.list_main)(args.run_dir)
 
 
 def cmd_import_hf(args) -> int:
@@ -302,8 +307,10 @@ def parser() -> argparse.ArgumentParser:
     gp.add_argument("run_dir")
     gp.add_argument("--json", action="store_true", help='print {"wall_s", "goodput", "categories": {name: seconds}}')
     gp.set_defaults(func=cmd_goodput)
-    c = sub.add_parser("ckpt", help="list a run's checkpoints")
+    c = sub.add_parser("ckpt", help="list a run's checkpoints, or check them against their checksums")
     c.add_argument("run_dir")
+    c.add_argument("--verify", action="store_true", help="read every committed step of both tiers back against its "
+                   "checksums without training; exit 1 and a line per damaged step if one is")
     c.set_defaults(func=cmd_ckpt)
     i = sub.add_parser("import-hf", help="a Hugging Face model directory -> a shardtrain checkpoint + config")
     i.add_argument("hf_dir", help="directory with config.json, *.safetensors and the tokenizer")

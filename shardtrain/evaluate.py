@@ -83,7 +83,7 @@ def main(cfg: RunConfig, checkpoint_path: str) -> int:
             step = ckpt.latest_step()
             if step is None:
                 raise ConfigError(f"no committed checkpoint in {directory}")
-        state, _ = ckpt.restore(step)
+        state, _ = ckpt.restore_given(step)
     finally:
         ckpt.close()
     row = {"step": step, **evaluator(state["params"])}

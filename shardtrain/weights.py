@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
+from etils import epath
 
 import models
 from models import LORA_A, LORA_B, is_adapter
 from shardtrain import config as config_lib
-from shardtrain.checkpoint import diagnose, listing, manager
+from shardtrain.checkpoint import diagnose, integrity, listing, manager
 from shardtrain.data import loader, tokenize
 from shardtrain.hf import io as hf_io, tokenizer as hf_tokenizer
 from shardtrain.parallel import comm, mesh as mesh_lib, sharding
@@ -184,19 +185,30 @@ def model_tokenizers(cfg: config_lib.RunConfig) -> list:
 def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     """Only `params` of a checkpoint step (the optimizer state, if any, is not read)."""
     step_dir = Path(step_dir).absolute()  # orbax's metadata of a relative path has no tree (orbax 0.12.8)
+    try:
+        integrity.verify(epath.Path(step_dir))
+    except integrity.Damaged as e:
+        raise config_lib.ConfigError(f"{step_dir}: the checkpoint is damaged ({e}); use another step") from None
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     saved = ckptr.metadata(step_dir / "state")
     saved = getattr(saved, "item_metadata", saved)
     saved = getattr(saved, "tree", saved)
+    if saved is None:
+        raise config_lib.ConfigError(f"{step_dir}: its array metadata (state/_METADATA) is missing; use another step")
     bad = diagnose.mismatches(diagnose.leaf_shapes(saved.get("params", {})),
                               diagnose.leaf_shapes(abstract_params))
     if bad:
         raise config_lib.ConfigError(f"{step_dir}: the checkpoint's parameters do not fit this model "
                                      f"({len(bad)} paths): " + "; ".join(bad[:8]))
     item = {"params": abstract_params}
-    restored = ckptr.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
-        item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-    ckptr.close()
+    try:
+        restored = ckptr.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
+            item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+    except Exception as e:  # noqa: BLE001 - any read failure: one line naming the damage
+        raise config_lib.ConfigError(f"{step_dir} cannot be read: {diagnose.read_error(e, epath.Path(step_dir))}; "
+                                     "use another step") from None
+    finally:
+        ckptr.close()
     return restored["params"]
 
 

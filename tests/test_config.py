@@ -45,6 +45,8 @@ def test_dump_round_trips(tmp_path):
     ("steps", "override 'steps' is not KEY=VALUE"),
     ("checkpoint.writer_niceness=20",
      "checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), got 20"),
+    ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep: must be >= 1, got 0 (0 would delete every checkpoint"),
+    ("checkpoint.keep_period=-2", "checkpoint.keep_period: must be >= 1, got -2"),
 ])
 def test_bad_input_names_the_field(override, message):
     overrides = [override] if override != "mesh.data=-1" else ["mesh.data=-1", "mesh.fsdp=-1"]

@@ -64,3 +64,19 @@ def test_an_empty_eval_split_says_what_fits_the_command(tok_path, corpus, cfg_fa
     assert "eval_every" not in str(e.value)
     with pytest.raises(ConfigError, match="--eval-fraction F .*, or train without evaluation: train.eval_every=0"):
         evaluate.Evaluator(types.SimpleNamespace(cfg=cfg))  # only its config is read before the split
+
+
+def test_eval_of_a_step_without_its_array_metadata_is_one_line(capsys, tmp_path):
+    import conftest
+    code, _, err = run_cli(capsys, "train", "meshes/demo.yaml", *conftest.TINY, "model.name=mlp", "train.steps=2",
+                           f"run_dir={tmp_path}")
+    assert code == 0, err
+    step = tmp_path / "checkpoints" / "2"
+    (step / "state" / "_METADATA").unlink()
+    for checksums in (True, False):  # found by the checksums, or (a step written without them) by reading
+        if not checksums:
+            (step / "checksums.json").unlink()
+        code, out, err = run_cli(capsys, "eval", str(step))
+        assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
+        assert f"checkpoint step 2 in {tmp_path / 'checkpoints'} cannot be used: " in err
+        assert "state/_METADATA is missing" in err and "Traceback" not in err

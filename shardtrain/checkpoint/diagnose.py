@@ -12,6 +12,7 @@ import jax
 from etils import epath
 
 from shardtrain import config as config_lib, optim
+from shardtrain.checkpoint import integrity
 from shardtrain.parallel import sharding
 
 
@@ -115,6 +116,8 @@ def read_error(e: BaseException, step_dir: epath.Path) -> str:
     own message wraps the cause in a repr of the whole TensorStore spec; the useful part (array,
     database, byte range) is the innermost exception of the chain, and the damaged file is found by
     looking at the step's files (missing, unparsable, or of the size tensorstore complains about)."""
+    if isinstance(e, integrity.Damaged):  # its message names the arrays and files already
+        return str(e)
     chain = [e]
     while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
         chain.append(nxt)

@@ -160,8 +160,12 @@ def validate_optimizer(o: OptimizerConfig, lora_rank: int = 0) -> None:
 
 
 def validate_checkpoint(c: CheckpointConfig) -> None:
-    at_least_one([("checkpoint.every_steps", c.every_steps), ("checkpoint.local.every_steps", c.local.every_steps),
-                  ("checkpoint.local.max_to_keep", c.local.max_to_keep)])
+    at_least_one([("checkpoint.every_steps", c.every_steps), ("checkpoint.local.every_steps", c.local.every_steps)])
+    for name, value, why in (("max_to_keep", c.max_to_keep, "0 would delete every checkpoint, the newest too"),
+                             ("local.max_to_keep", c.local.max_to_keep, "0 would delete every local step"),
+                             ("keep_period", c.keep_period, "unset (null) keeps no steps beyond max_to_keep")):
+        if value is not None and value < 1:
+            raise ConfigError(f"checkpoint.{name}: must be >= 1, got {value} ({why})")
     if c.local.directory is not None and is_url(c.local.directory):
         raise ConfigError(f"checkpoint.local.directory={c.local.directory}: must be a directory on each host "
                           "(e.g. /dev/shm/run or a local SSD), not a URL; checkpoint.directory is the persistent tier")
