@@ -4,16 +4,18 @@
     .venv/bin/python bench/checkpoint.py --d-model 256   # smaller and quicker
     .venv/bin/python bench/checkpoint.py --compare       # replica-parallel saving off vs on, in the same run
     .venv/bin/python bench/checkpoint.py --niceness 0    # writer threads at the train step's CPU priority
+    .venv/bin/python bench/checkpoint.py --checksums     # saves without vs with checksums, in the same run
 
 Measures, all in one run so that the ratios share the machine's load:
   1. blocking fraction: the time `Checkpointer.save()` holds the training loop (async: until the
      arrays are copied off the devices) over the time of a whole save (save + wait for commit),
-     for the saves after the first;
+     for the saves after the first (and the blocking time of the whole saves, which no step runs beside);
   2. step-time ratio: the median step time while a save is in flight over the median step time
      without one, measured alternately;
   3. restore ratio: `Checkpointer.restore` (metadata check + orbax restore into the sharded
      train state) over reading the same arrays straight from the checkpoint with tensorstore
-     (all arrays opened and read concurrently into host memory).
+     (all arrays opened and read concurrently into host memory). The restore verifies the step's
+     checksums first (it reads the stored values once more).
 Record: bench/results/checkpoint.jsonl.
 """
 
@@ -50,6 +52,8 @@ def parse_args() -> argparse.Namespace:
                    help="checkpoint.writer_niceness (0: writer at the step's priority)")
     p.add_argument("--compare", action="store_true",
                    help="measure saving with replica-parallel off (the single-process default) and on, interleaved")
+    p.add_argument("--checksums", action="store_true",
+                   help="measure saving without and with checksums (recorded before the commit), interleaved")
     return p.parse_args()
 
 
@@ -86,12 +90,14 @@ class Trainer:
         return self.stepper()[0]
 
 
-def checkpointers(trainer: Trainer, root: str, compare: bool) -> dict[str, manager.Checkpointer]:
+def checkpointers(trainer: Trainer, root: str, args) -> dict[str, manager.Checkpointer]:
     """One Checkpointer per variant, each with its own checkpoint directory."""
-    variants = {"replica-parallel off": False, "replica-parallel on": True} if compare else {"default": None}
+    variants = ({"replica-parallel off": {"replica_parallel": False}, "replica-parallel on": {"replica_parallel": True}}
+                if args.compare else {"checksums off": {"checksums": False}, "checksums on": {"checksums": True}}
+                if args.checksums else {"default": {}})
     return {name: manager.Checkpointer(dataclasses.replace(trainer.cfg, run_dir=os.path.join(root, name.replace(
-        " ", "_"))), trainer.prog.abstract_state, trainer.prog.mesh.shape, replica_parallel)
-        for name, replica_parallel in variants.items()}
+        " ", "_"))), trainer.prog.abstract_state, trainer.prog.mesh.shape, **kw)
+        for name, kw in variants.items()}
 
 
 def first_saves(trainer: Trainer, ckpts: dict) -> dict[str, float]:
@@ -111,6 +117,7 @@ def save_round(trainer: Trainer, ckpt, steps: Iterator[int]) -> dict:
     step numbers to save as."""
     t0 = time.perf_counter()
     ckpt.save(next(steps), trainer.state)
+    idle = time.perf_counter() - t0  # blocking with no step running beside the save
     ckpt.wait()
     whole = time.perf_counter() - t0
 
@@ -123,7 +130,7 @@ def save_round(trainer: Trainer, ckpt, steps: Iterator[int]) -> dict:
         ckpt.check()  # as the trainer does after each step
     ckpt.wait()
     without = [trainer.step() for _ in range(max(len(in_flight), 3))]
-    return {"whole": whole, "blocking": blocking, "in_flight": in_flight, "without": without}
+    return {"whole": whole, "blocking": blocking, "blocking_idle": idle, "in_flight": in_flight, "without": without}
 
 
 def measure_saves(trainer: Trainer, ckpts: dict, saves: int) -> dict[str, dict[str, list]]:
@@ -135,6 +142,7 @@ def measure_saves(trainer: Trainer, ckpts: dict, saves: int) -> dict[str, dict[s
     out = {}
     for name, rs in rounds.items():
         out[name] = {"whole": [r["whole"] for r in rs], "blocking": [r["blocking"] for r in rs],
+                     "blocking_idle": [r["blocking_idle"] for r in rs],
                      "in_flight": harness.flat([r["in_flight"] for r in rs])}
     out["without"] = harness.flat([r["without"] for rs in rounds.values() for r in rs])
     return out
@@ -159,7 +167,8 @@ def measure_restore(ckpt) -> dict:
 def figures(m: dict, without: list[float], first: float, saves: int) -> dict:
     """One variant's figures, as printed."""
     blocking, whole, in_flight = m["blocking"], m["whole"], m["in_flight"]
-    return {"first_save_s": first, "blocking_s": med(blocking), "blocking_min_s": min(blocking),
+    return {"first_save_s": first, "blocking_s": med(blocking), "blocking_idle_s": med(m["blocking_idle"]),
+            "blocking_min_s": min(blocking),
             "blocking_max_s": max(blocking), "whole_save_s": med(whole),
             "blocking_fraction": med(blocking) / med(whole),
             "step_in_flight_s": med(in_flight), "steps_in_flight": len(in_flight), "step_without_s": med(without),
@@ -173,13 +182,15 @@ def report(f: dict, restore: dict, saves: int) -> None:
         print(f"[{name}] first save (blocking + commit): {v['first_save_s']:.2f} s")
         print(f"[{name}] save() blocking: median {v['blocking_s']:.3f} s over {saves} saves "
               f"(min {v['blocking_min_s']:.3f}, max {v['blocking_max_s']:.3f}); whole save median "
-              f"{v['whole_save_s']:.2f} s; blocking fraction {v['blocking_fraction']:.3f} (goal <= 0.05)")
+              f"{v['whole_save_s']:.2f} s; blocking fraction {v['blocking_fraction']:.3f} (goal <= 0.05); "
+              f"blocking with no step beside it: median {v['blocking_idle_s']:.3f} s")
         print(f"[{name}] step time: median {v['step_in_flight_s']:.3f} s with a save in flight "
               f"({v['steps_in_flight']} steps), {v['step_without_s']:.3f} s without ({v['steps_without']} steps, "
               f"all variants); ratio {v['step_ratio']:.2f} (goal <= 1.10); per save, {v['steps_per_save']:.1f} "
               f"steps in flight, training time lost {v['lost_per_save_s']:.2f} s")
-    print(f"[{next(iter(f))}] restore: median {restore['restore_s']:.2f} s; tensorstore direct read "
-          f"{restore['tensorstore_s']:.2f} s; ratio {restore['ratio']:.2f}")
+    for name, r in restore.items():
+        print(f"[{name}] restore: median {r['restore_s']:.2f} s; tensorstore direct read "
+              f"{r['tensorstore_s']:.2f} s; ratio {r['ratio']:.2f}")
 
 
 def main() -> None:
@@ -187,22 +198,25 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench_ckpt_")
     trainer = Trainer(args, root)
     state_mb = sum(x.nbytes for x in jax.tree.leaves(trainer.state)) / 1e6
-    ckpts = checkpointers(trainer, root, args.compare)
+    ckpts = checkpointers(trainer, root, args)
     for _ in range(3):
         trainer.step()
     first = first_saves(trainer, ckpts)
     saves = measure_saves(trainer, ckpts, args.saves)
-    restore = measure_restore(next(iter(ckpts.values())))
+    restored = list(ckpts) if args.checksums else list(ckpts)[:1]  # verified and not, or the first variant
+    restore = {name: measure_restore(ckpts[name]) for name in restored}
     for c in ckpts.values():
         c.close()
     shutil.rmtree(root, ignore_errors=True)  # the checkpoints: about 0.7 GB
     mesh = dict(trainer.prog.mesh.shape)
-    print(f"state: {state_mb:.0f} MB ({restore['arrays']} arrays) on {jax.device_count()} devices, mesh {mesh}")
+    arrays = restore[restored[0]]["arrays"]
+    print(f"state: {state_mb:.0f} MB ({arrays} arrays) on {jax.device_count()} devices, mesh {mesh}")
     f = {name: figures(saves[name], saves["without"], first[name], args.saves) for name in ckpts}
     report(f, restore, args.saves)
-    harness.record("checkpoint", {"state_mb": state_mb, "variants": f, "restore": restore},
+    harness.record("checkpoint", {"state_mb": state_mb, "variants": f, "restore": restore[restored[0]],
+                                  "restore_by_variant": restore},
                    d_model=args.d_model, layers=args.layers, saves=args.saves, niceness=args.niceness,
-                   compare=args.compare, mesh=mesh)
+                   compare=args.compare, checksums=args.checksums, mesh=mesh)
 
 
 if __name__ == "__main__":

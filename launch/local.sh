@@ -13,7 +13,7 @@
 # Environment:
 #   SHARDTRAIN_CPU_DEVICES        total simulated CPU devices (default 8; N must divide it)
 #   SHARDTRAIN_HEARTBEAT_TIMEOUT  seconds before the others give up on a dead process (default 10)
-#   SHARDTRAIN_PORT               coordinator port (default: a free one)
+#   SHARDTRAIN_PORT               coordinator port (default: a free one); one in use is refused (exit 2)
 #   SHARDTRAIN_CMD                command to run (default: this checkout's .venv/bin/shardtrain, made by
 #                                 `make venv` or `make train`, else `shardtrain` on PATH)
 #
@@ -56,8 +56,19 @@ fi
 flags=$(printf '%s' "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[^ ]*//g')
 heartbeat=${SHARDTRAIN_HEARTBEAT_TIMEOUT:-10}
 
+port_free() {  # PORT: whether nothing listens on it here (another job's coordinator must not be joined)
+  python3 -c 'import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try: s.bind(("", int(sys.argv[1])))
+except OSError: sys.exit(1)' "$1"
+}
+
 launch() {  # starts the N processes of one attempt on a fresh port
 port=${SHARDTRAIN_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+if ! port_free "$port"; then  # joining it would hand this job's processes to a running job's coordinator
+  say "coordinator port $port (SHARDTRAIN_PORT) is already in use on this host: another job? give this one a free port"
+  exit 2
+fi
 pids=()
 for ((i = 0; i < n; i++)); do
   run=(env SHARDTRAIN_COORDINATOR="127.0.0.1:$port" SHARDTRAIN_NUM_PROCESSES="$n" SHARDTRAIN_PROCESS_ID="$i"

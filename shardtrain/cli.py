@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -64,7 +66,36 @@ def mesh_devices(cfg: config_lib.RunConfig) -> int:
     return cfg.mesh.device_count(DEFAULT_CPU_DEVICES)
 
 
+def stop_before_training(signum, _frame) -> None:
+    """SIGINT or SIGTERM before the run handles them (runtime/preemption.py): nothing to save."""
+    from shardtrain.runtime.preemption import EXIT_PREEMPTED
+    print(f"\nshardtrain: {signal.Signals(signum).name} before training started: nothing was trained; stopping "
+          f"(exit {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+    os._exit(EXIT_PREEMPTED)
+
+
+@contextlib.contextmanager
+def stopping_before_training():
+    """Within the block SIGINT and SIGTERM stop the process at once (loop.train installs the run's
+    own handling inside it); a signal ignored from the start stays ignored."""
+    main = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM) if main}
+    previous = {sig: h for sig, h in previous.items() if h not in (signal.SIG_IGN, None)}  # None: not Python's
+    for sig in previous:
+        signal.signal(sig, stop_before_training)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_train(args) -> int:
+    with stopping_before_training():
+        return train(args)
+
+
+def train(args) -> int:
     started = time.time()
     cfg = config_lib.load(args.config, args.overrides)
     if cfg.checkpoint.init_from and Path(cfg.checkpoint.init_from).resolve() == Path(cfg.run_dir).resolve():
@@ -72,27 +103,34 @@ def cmd_train(args) -> int:
                                      "from those weights' checkpoint; give the run its own run_dir=DIR")
     from shardtrain.parallel import sharding
     sharding.check_adapters(cfg)  # the LoRA targets against the model, before anything is written
+    if cfg.checkpoint.init_from:
+        from shardtrain import weights
+        weights.find(cfg.checkpoint.init_from)  # a missing or unreadable init_from, before anything is written
     prepare_dir(cfg.run_dir, "run_dir")  # a file or read-only run_dir stops before compiling
     if not config_lib.is_url(cfg.checkpoint_dir()):
         prepare_dir(cfg.checkpoint_dir(), "checkpoint.directory")
     if cfg.checkpoint.local.directory:
         prepare_dir(cfg.checkpoint.local.directory, "checkpoint.local.directory")
+        from shardtrain.checkpoint import local
+        local.owner_conflict(cfg)  # another run's local tier stops before anything is written
     from shardtrain.runtime import faults
     faults.parse(os.environ.get(faults.VARIABLE))  # a malformed SHARDTRAIN_FAULT stops before any work
     simulated_devices(DEFAULT_CPU_DEVICES)
     from shardtrain import loop
     from shardtrain.checkpoint import manager
+    from shardtrain.runtime import rundir
     cluster = distributed.initialize()
     with leaving_on_error(cluster):
-        enable_compile_cache(cfg)
-        try:
-            return loop.train(cfg, started)
-        except manager.SaveFailed as e:
-            print(f"{cluster.tag}: error: {e}", file=sys.stderr)
-            return 1
-        except loop.NonFinite as e:
-            print(f"{cluster.tag}: error: {e}", file=sys.stderr, flush=True)
-            return loop.EXIT_NONFINITE
+        enable_compile_cache(cfg)  # before the lock's broadcast compiles anything
+        with rundir.held(cfg.run_dir, cluster.process_index, cluster.process_count):  # one trainer per run dir
+            try:
+                return loop.train(cfg, started)
+            except (manager.SaveFailed, loop.RunFilesFailed) as e:
+                print(f"{cluster.tag}: error: {e}", file=sys.stderr, flush=True)
+                return 1
+            except loop.NonFinite as e:
+                print(f"{cluster.tag}: error: {e}", file=sys.stderr, flush=True)
+                return loop.EXIT_NONFINITE
 
 
 def cmd_goodput(args) -> int:
@@ -155,7 +193,7 @@ def cmd_eval(args) -> int:
 
 def cmd_ckpt(args) -> int:
     from shardtrain.checkpoint import listing
-    return listing.list_main(args.run_dir)
+    return (listing.verify_main if args.verify else listing.list_main)(args.run_dir)
 
 
 def cmd_import_hf(args) -> int:
@@ -269,8 +307,10 @@ def parser() -> argparse.ArgumentParser:
     gp.add_argument("run_dir")
     gp.add_argument("--json", action="store_true", help='print {"wall_s", "goodput", "categories": {name: seconds}}')
     gp.set_defaults(func=cmd_goodput)
-    c = sub.add_parser("ckpt", help="list a run's checkpoints")
+    c = sub.add_parser("ckpt", help="list a run's checkpoints, or check them against their checksums")
     c.add_argument("run_dir")
+    c.add_argument("--verify", action="store_true", help="read every committed step of both tiers back against its "
+                   "checksums without training; exit 1 and a line per damaged step if one is")
     c.set_defaults(func=cmd_ckpt)
     i = sub.add_parser("import-hf", help="a Hugging Face model directory -> a shardtrain checkpoint + config")
     i.add_argument("hf_dir", help="directory with config.json, *.safetensors and the tokenizer")
@@ -313,11 +353,16 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse(argv)
     skip_absent_accelerators()
+    for line in config_lib.repeated(getattr(args, "overrides", None) or []):  # train.steps=3 ... train.steps=5
+        print(f"shardtrain: {line}", flush=True)
     try:
         code = args.func(args)
     except config_lib.ConfigError as e:  # in a run of several processes, leaving_on_error reports it
         print(f"shardtrain: error: {e}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # Ctrl-C before `train` handles it (importing, loading), or in another command
+        print(f"\nshardtrain: interrupted (Ctrl-C); stopped {args.command} (exit 130)", file=sys.stderr)
+        code = 130
     sys.exit(code)
 
 

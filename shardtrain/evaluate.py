@@ -3,7 +3,8 @@ train.eval_steps batches of the `eval` split, shared by training (train.eval_eve
 `shardtrain eval [CONFIG] CHECKPOINT`.
 
 eval_loss is the token-weighted mean cross-entropy over every counted position of those batches
-(packed data: the positions the training loss counts), eval_perplexity its exp.
+(packed data: the positions the training loss counts), eval_perplexity its exp. A split smaller than
+those batches is read around again (its windows counted twice); the Evaluator says so once.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 
 import jax
 
@@ -26,10 +28,14 @@ class Evaluator:
     def __init__(self, prog: Program, in_training: bool = True):
         self.prog = prog
         try:  # a missing eval split fails before anything is compiled
-            self.dataset = loader.eval_samples(prog.cfg)
+            opened = loader.sources(prog.cfg, "eval")
         except token_shards.EmptySplit as e:
             raise ConfigError(f"{e}, or train without evaluation: train.eval_every=0" if in_training else str(e)) \
                 from None
+        self.dataset = loader.eval_samples(prog.cfg, opened)
+        line = rereads(prog.cfg, opened)
+        if line and jax.process_index() == 0:  # (`shardtrain eval`'s stdout is its JSON row)
+            print(line, file=sys.stdout if in_training else sys.stderr, flush=True)
 
     def __call__(self, params) -> dict[str, float]:
         cfg = self.prog.cfg
@@ -41,6 +47,23 @@ class Evaluator:
             total, count = total + float(loss_sum), count + float(n)
         loss = total / max(count, 1.0)
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": count}
+
+
+def rereads(cfg: RunConfig, opened: list) -> str | None:
+    """A line when an evaluation reads more windows than the held-out split (a mixture: one of its
+    datasets, by its weight) holds, so that it wraps around and counts some of them twice."""
+    batch = cfg.train.global_batch_size
+    reads = cfg.train.eval_steps * batch
+    weights = [e.weight for e in cfg.data.mixture] or [1.0]
+    names = [f" of {e.path}" for e in cfg.data.mixture] or [""]
+    for split, weight, name in zip(opened, weights, names):
+        share = weight / sum(weights)
+        if math.ceil(reads * share) > len(split):
+            fits = max(int(len(split) / share) // batch, 1)
+            return (f"eval: each evaluation reads {reads} windows (train.eval_steps={cfg.train.eval_steps} x "
+                    f"train.global_batch_size={batch}), but the held-out split{name} has {len(split)}: it reads "
+                    f"some twice and counts their tokens again; train.eval_steps={fits} reads each at most once")
+    return None
 
 
 def main(cfg: RunConfig, checkpoint_path: str) -> int:
@@ -60,7 +83,7 @@ def main(cfg: RunConfig, checkpoint_path: str) -> int:
             step = ckpt.latest_step()
             if step is None:
                 raise ConfigError(f"no committed checkpoint in {directory}")
-        state, _ = ckpt.restore(step)
+        state, _ = ckpt.restore_given(step)
     finally:
         ckpt.close()
     row = {"step": step, **evaluator(state["params"])}

@@ -5,47 +5,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import signal
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 
 import jax
 
 from models import is_adapter
 from shardtrain import config as config_lib, evaluate, optim, step as step_lib, weights
-from shardtrain.checkpoint import listing, local as local_tier, manager
+from shardtrain.checkpoint import diagnose, listing, local as local_tier, manager
 from shardtrain.data import loader
 from shardtrain.metrics import Metrics
 from shardtrain.parallel import mesh as mesh_lib, sharding
 from shardtrain.runtime import distributed, faults, goodput, health
+from shardtrain.runtime.preemption import EXIT_PREEMPTED, Preemption
 
-EXIT_PREEMPTED = 75
 EXIT_NONFINITE = 65
-"""Exit code of a run stopped by a non-finite loss or gradient (train.on_nonfinite=stop; EX_DATAERR)."""
-
-
-class Preemption:
-    """SIGTERM -> save at the next step boundary. With several processes all agree on the step
-    through JAX's preemption sync point; a single process uses its own signal handler."""
-
-    def __init__(self):
-        self.requested = False
-        self.multiprocess = jax.process_count() > 1
-        self.previous = None if self.multiprocess else signal.signal(signal.SIGTERM, self._on_signal)
-
-    def close(self):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-
-    def _on_signal(self, *_):
-        self.requested = True
-
-    def reached(self, step: int) -> bool:
-        if self.multiprocess:
-            from jax.experimental import multihost_utils
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.requested
+"""Exit code of a run stopped by a non-finite loss or gradient (train.on_nonfinite=stop, or too many
+skips under train.on_nonfinite=skip; EX_DATAERR)."""
+SKIP_LIMIT, SKIP_WINDOW = 10, 100
+"""train.on_nonfinite=skip stops the run (as `stop` does) at the SKIP_LIMIT-th skipped step among
+the last SKIP_WINDOW steps: a run that diverges is not one with a rare bad batch."""
 
 
 def say(text: str) -> None:
@@ -71,7 +52,8 @@ def mode_line(prog: step_lib.Program) -> str:
     else:
         pipe = "no pipeline"
     accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
-    return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}, "
+    quant = f" with {t.quantization} matmuls" if t.quantization != "none" else ""
+    return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}{quant}, "
             f"params {t.param_dtype}; {comm}; {pipe}{accum}")
 
 
@@ -83,12 +65,14 @@ def optimizer_line(prog: step_lib.Program) -> str:
 
 
 def train(cfg: config_lib.RunConfig, started: float | None = None) -> int:
-    """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted).
-    A run whose checkpoints already reach train.steps is complete: it says so and returns 0
-    without touching anything. Closes everything it opened on every exit path; raises
-    manager.SaveFailed if a checkpoint save fails, NonFinite when train.on_nonfinite=stop meets a
-    non-finite step; what the checkpoint library logs goes to run_dir/shardtrain.log. `started`:
-    when this process started (time.time(); for the goodput record), default now."""
+    """Runs training to cfg.train.steps; returns the process exit code (0, or 75 when preempted:
+    SIGTERM or Ctrl-C, runtime/preemption.py). A run whose checkpoints already reach train.steps is
+    complete: it says so and returns 0 without touching anything. Closes everything it opened on
+    every exit path; raises manager.SaveFailed if a checkpoint save fails, NonFinite when a
+    non-finite step stops the run, RunFilesFailed when the run's own files cannot be written, a
+    ConfigError (before the first step) having written nothing: no goodput, metrics or config.yaml.
+    What the checkpoint library logs goes to run_dir/shardtrain.log. `started`: when this process
+    started (time.time(); for the goodput record), default now."""
     committed = listing.committed_steps(cfg)
     if committed and max(committed) >= cfg.train.steps:
         say(f"run {cfg.run_dir} is complete: checkpoint step {max(committed)} reaches train.steps="
@@ -96,11 +80,16 @@ def train(cfg: config_lib.RunConfig, started: float | None = None) -> int:
         return 0
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as opened:
+        # first: a SIGTERM or Ctrl-C while building or compiling stops at once, nothing trained
+        preemption = opened.enter_context(contextlib.closing(Preemption(jax.process_index(), jax.process_count())))
         opened.enter_context(manager.library_log(cfg.run_dir))
         clock = opened.enter_context(contextlib.closing(
             goodput.Clock(cfg.run_dir, started or time.time(), write=jax.process_index() == 0)))
         try:
-            code = _train(cfg, opened, clock)
+            code = _train(cfg, opened, clock, preemption)
+        except config_lib.ConfigError:
+            clock.discard()  # refused before the first step: no trace in goodput.jsonl
+            raise
         except NonFinite:
             clock.end("nonfinite")
             raise
@@ -108,21 +97,24 @@ def train(cfg: config_lib.RunConfig, started: float | None = None) -> int:
         return code
 
 
-def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodput.Clock) -> int:
-    """Build, then compile and start (or resume), then run the steps; `opened` closes what it opens."""
+def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodput.Clock,
+           preemption: Preemption) -> int:
+    """Build, then compile and start (or resume), then run the steps; `opened` closes what it opens.
+    Nothing is written to run_dir before `clock.ready` (goodput.jsonl, config.yaml, metrics.jsonl):
+    a ConfigError raised before it leaves the run dir as it was."""
     sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
+    cfg = weights.check_tokenizer(cfg, sources)  # the weights' tokenizer is the data's; data.tokenizer recorded
     dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     resumed = listing.newest_meta(cfg)
     optim.check_resume(cfg, resumed, listing.directory(cfg))  # another optimizer's state fails here, not at restore
+    diagnose.check_changes(cfg, resumed, listing.directory(cfg), say)  # refuses a new function or data; says the rest
     cfg, lr_line = optim.resolve_schedule(cfg, resumed)  # a resume keeps the recorded schedule
     injected = faults.Faults(cfg.run_dir, jax.process_index(), jax.process_count())
     prog = step_lib.build(cfg, mesh_lib.make_mesh(cfg.mesh), nan_at=injected.nan_step())
     evaluator = evaluate.Evaluator(prog) if cfg.train.eval_every else None  # a missing eval split fails here
     if jax.process_index() == 0:
         _announce(prog, sources, lr_line)
-    preemption = Preemption()  # early: a SIGTERM while compiling saves after the first step
-    opened.callback(preemption.close)
     t0 = time.perf_counter()
     compiled = prog.lower().compile()
     distributed.wait_for_peers("shardtrain_compiled", cfg.train.watchdog.startup_s)
@@ -131,7 +123,9 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodp
     local = (opened.enter_context(contextlib.closing(local_tier.LocalTier(cfg, prog.abstract_state)))
              if cfg.checkpoint.local.directory else None)
     state, start, tier, restore_s = _start(prog, ckpt, local, init_from)
-    clock.ready(start, restore_s)
+    clock.ready(start, restore_s)  # past every check: from here on the run writes its files
+    if jax.process_index() == 0:
+        (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(prog.cfg))
     say(f"ready in {time.perf_counter() - t0:.1f} s; training steps {start}..{cfg.train.steps}")
     metrics = opened.enter_context(contextlib.closing(Metrics(cfg, prog.flops_per_token, start)))
     if start > 0:
@@ -141,7 +135,10 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodp
     run = Run(prog, compiled, ckpt, local, metrics, evaluator, preemption, clock, watchdog, injected)
     code = run.steps(state, start, dataset)
     metrics.goodput(goodput.report(cfg.run_dir) if jax.process_index() == 0 else None)
-    metrics.summary()  # a finished run's closing line (the ExitStack then closes what was opened)
+    if metrics.failed or clock.failed:  # at the last step, after the loop's last look
+        raise RunFilesFailed(f"{metrics.failed or clock.failed}; the checkpoints were saved; make room and rerun "
+                             f"the same command to finish")
+    metrics.summary("preempted" if code == EXIT_PREEMPTED else "done")  # the closing line (then the ExitStack closes)
     return code
 
 
@@ -168,10 +165,8 @@ def count(n: int) -> str:
 
 
 def _announce(prog: step_lib.Program, sources, lr_line: str) -> None:
-    """Process 0's first lines: the run's config file, what trains on which devices, the mode, the
-    learning rate, the data."""
+    """Process 0's first lines: what trains on which devices, the mode, the learning rate, the data."""
     cfg = prog.cfg
-    (Path(cfg.run_dir) / "config.yaml").write_text(config_lib.dump(cfg))
     print(model_line(prog), flush=True)
     print(mode_line(prog), flush=True)
     print(optimizer_line(prog), flush=True)
@@ -206,13 +201,21 @@ def _start(prog: step_lib.Program, ckpt: manager.Checkpointer, local: local_tier
 
 
 class NonFinite(RuntimeError):
-    """train.on_nonfinite=stop met a step whose loss or gradient norm is not finite."""
+    """A step whose loss or gradient norm is not finite stopped the run: train.on_nonfinite=stop, or
+    under `skip` the SKIP_LIMIT-th skip of the last SKIP_WINDOW steps."""
 
-    def __init__(self, step: int, values: dict):
+    def __init__(self, step: int, values: dict, skipped: int = 0):
         shown = ", ".join(f"{k} {values[k]}" for k in ("loss", "grad_norm") if k in values)
+        why = (f"the {SKIP_LIMIT}th skipped in the last {SKIP_WINDOW} steps: train.on_nonfinite=skip stops there; "
+               f"{skipped} skipped in this start" if skipped else
+               "train.on_nonfinite=stop; train.on_nonfinite=skip skips such steps")
         super().__init__(f"non-finite loss or gradients at step {step} ({shown}); stopped without saving "
-                         f"anything from it (train.on_nonfinite=stop; train.on_nonfinite=skip skips such steps)")
+                         f"anything from it ({why})")
         self.step = step
+
+
+class RunFilesFailed(RuntimeError):
+    """A file of the run's own (metrics.jsonl, TensorBoard, goodput.jsonl) could not be written."""
 
 
 class StepLog:
@@ -223,7 +226,8 @@ class StepLog:
 
     def __init__(self, metrics: Metrics, cfg: config_lib.RunConfig, watchdog: health.Watchdog):
         self.metrics, self.cfg, self.watchdog = metrics, cfg, watchdog
-        self.pending, self.last_done, self.skipped = None, time.perf_counter(), 0
+        self.pending, self.last_done = None, time.perf_counter()
+        self.recent: deque[bool] = deque(maxlen=SKIP_WINDOW)  # skipped or not, the last steps
         self.stragglers = health.Stragglers(cfg.train.watchdog, jax.process_count())
         self.host_times: list[float] = []
 
@@ -241,13 +245,14 @@ class StepLog:
         now = time.perf_counter()
         step_time, self.last_done, self.pending = now - self.last_done, now, None
         self.watchdog.beat(step, step_time)
-        if not all(math.isfinite(values.get(k, 0.0)) for k in ("loss", "grad_norm")):
+        finite = all(math.isfinite(values.get(k, 0.0)) for k in ("loss", "grad_norm"))
+        self.recent.append(not finite)
+        if not finite:
             if self.cfg.train.on_nonfinite == "stop":
                 raise NonFinite(step, values)
-            self.skipped += 1
-            self.metrics.event("nonfinite", step=step, action="skip", skipped_total=self.skipped)
-            self.metrics.message(f"step {step}: non-finite loss or gradients; skipped it "
-                                 f"(parameters and optimizer state unchanged; {self.skipped} skipped so far)")
+            if sum(self.recent) >= SKIP_LIMIT:
+                raise NonFinite(step, values, skipped=self.metrics.skipped + 1)
+            self.metrics.skip(step)
         extra = self._host_times(step, step_time) if step % self.cfg.train.log_every == 0 else {}
         self.metrics.log(step, values, step_time, extra)
 
@@ -323,13 +328,12 @@ class Run:
             log.hold(done, step_metrics, time.perf_counter() - iteration_end)
             self.clock.step(done)
             profile.after(done, state)
+            failed = self.metrics.failed or self.clock.failed
+            if failed and not self.preemption.requested:
+                self.preemption.request()  # the run's own files: save and stop here
             if self.preemption.reached(done):
                 log.flush()
-                with self.watchdog.slow():
-                    self.ckpt.save(done, state)
-                    self.ckpt.wait()
-                self.metrics.event("preempted", step=done)
-                self.metrics.message(f"preempted at step {done}; rerun the same command to resume")
+                self.stop(done, state, failed)
                 exit_code = EXIT_PREEMPTED
                 break
             if self.evaluator and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
@@ -348,6 +352,24 @@ class Run:
                 self.local.wait()
         self.clock.charge("checkpoint_save")
         return exit_code
+
+    def stop(self, done: int, state, failed: str | None) -> None:
+        """Saves step `done` and says so: a preemption, or (`failed`) a file of the run's own that
+        could not be written, which raises RunFilesFailed once the checkpoint is saved or not."""
+        try:
+            with self.watchdog.slow():
+                self.ckpt.save(done, state)
+                self.ckpt.wait()
+        except manager.SaveFailed as e:
+            if failed:
+                raise RunFilesFailed(f"{failed}; stopped at step {done}, and its checkpoint failed too: {e}") from None
+            raise
+        if failed:
+            raise RunFilesFailed(f"{failed}; stopped at step {done} and saved checkpoint step {done}; make room "
+                                 f"and rerun the same command to resume")
+        self.metrics.event("preempted", step=done)
+        self.metrics.message(f"preempted at step {done}: saved checkpoint step {done}; rerun the same command to "
+                             f"resume")
 
     def save(self, done: int, state, log: StepLog) -> None:
         """A persistent checkpoint every checkpoint.every_steps and at the last step, else a local one

@@ -1,9 +1,17 @@
-"""Run metrics: metrics.jsonl, TensorBoard, a progress bar, MFU and a loss plot. Process 0 only."""
+"""Run metrics: metrics.jsonl, TensorBoard, a progress bar, MFU and a loss plot. Process 0 only.
+
+A write that fails (a full disk, a lost mount) does not stop the step in which it happens: it sets
+`Metrics.failed` (one line naming the file and the reason), later writes are skipped, and the loop
+saves a checkpoint and stops at the step boundary. TensorBoard events are written in this thread
+(tensorboardX's writer thread dies on such an error and then blocks the loop on its full queue).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -27,8 +35,33 @@ def drop_rows_after(path: Path, step: int) -> None:
             continue  # a line cut short by a kill
         if ("loss" not in row and "eval_loss" not in row) or row.get("step", 0) <= step:
             kept.append(line + "\n")
-    if len(kept) != len(lines):
-        path.write_text("".join(kept))
+    if len(kept) != len(lines):  # a full disk must not leave it half written
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)
+
+
+class Board:
+    """TensorBoard scalars in one events file, written by the caller's thread (errors raise here)."""
+
+    def __init__(self, logdir: Path):
+        from tensorboardX.event_file_writer import EventsWriter
+        logdir.mkdir(parents=True, exist_ok=True)
+        self.writer, self.flushed = EventsWriter(str(logdir / "events")), time.monotonic()
+        self.writer.flush()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+        self.writer.write_event(Event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
+
+    def flush(self, every_s: float = 10.0) -> None:
+        if time.monotonic() - self.flushed >= every_s:
+            self.writer.flush()
+            self.flushed = time.monotonic()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class Metrics:
@@ -45,13 +78,38 @@ class Metrics:
         self.step_times: list[float] = []
         self.losses: list[tuple[int, float]] = []
         self.file = self.tb = self.bar = None
+        self.failed: str | None = None
+        self.skipped = 0
         if self.main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            drop_rows_after(self.dir / "metrics.jsonl", start_step)
-            self.file = open(self.dir / "metrics.jsonl", "a")
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+            self._write(self.dir / "metrics.jsonl", lambda: self._open(start_step))
+            self._write(self.dir / "tensorboard", lambda: setattr(self, "tb", Board(self.dir / "tensorboard")))
             self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def _open(self, start_step: int) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        drop_rows_after(self.dir / "metrics.jsonl", start_step)
+        self.file = open(self.dir / "metrics.jsonl", "a")
+
+    def _write(self, what: Path, write) -> None:
+        """Calls `write()`; the first that fails sets `failed`, and none is called after it."""
+        if self.failed is None:
+            try:
+                write()
+            except OSError as e:
+                self.failed = f"cannot write {what}: {e.strerror or e}"
+
+    def _row(self, row: dict) -> None:
+        if self.file is not None:
+            line = json.dumps(row) + "\n"
+            self._write(self.dir / "metrics.jsonl", lambda: (self.file.write(line), self.file.flush()))
+
+    def _scalars(self, values: dict, step: int) -> None:
+        def write():
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.tb is not None:
+            self._write(self.dir / "tensorboard", write)
 
     def log(self, step: int, values: dict, step_time: float, extra: dict | None = None) -> None:
         """`values` are host floats for completed step `step` (1-based count of updates); `extra`:
@@ -68,11 +126,9 @@ class Metrics:
         if not self.main:
             return
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-            for k, v in row.items():
-                if k not in ("step", "slowest_process") and isinstance(v, float):
-                    self.tb.add_scalar(k, v, step)
+            self._row(row)
+            self._scalars({k: v for k, v in row.items() if k not in ("step", "slowest_process")
+                           and isinstance(v, float)}, step)
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
 
@@ -80,17 +136,21 @@ class Metrics:
         """An evaluation row {step, eval_loss, eval_perplexity, eval_tokens}: file, TensorBoard, console."""
         if not self.main:
             return
-        self.file.write(json.dumps({"step": step, **values}) + "\n")
-        self.file.flush()
-        for k, v in values.items():
-            self.tb.add_scalar(k, v, step)
+        self._row({"step": step, **values})
+        self._scalars(values, step)
         self.message(f"step {step}: eval_loss {values['eval_loss']:.4f}, "
                      f"eval_perplexity {values['eval_perplexity']:.2f}")
 
     def event(self, event: str, **fields) -> None:
         if self.main:
-            self.file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
-            self.file.flush()
+            self._row({"event": event, "time": time.time(), **fields})
+
+    def skip(self, step: int) -> None:
+        """Step `step` was non-finite and skipped (train.on_nonfinite=skip)."""
+        self.skipped += 1
+        self.event("nonfinite", step=step, action="skip", skipped_total=self.skipped)
+        self.message(f"step {step}: non-finite loss or gradients; skipped it "
+                     f"(parameters and optimizer state unchanged; {self.skipped} skipped so far)")
 
     def goodput(self, report: dict | None) -> None:
         """The run's goodput so far (goodput.report, across restarts): a metrics.jsonl event,
@@ -100,9 +160,8 @@ class Metrics:
         step = self.losses[-1][0] if self.losses else 0
         self.event("goodput", step=step, goodput=report["goodput"], wall_s=report["wall_s"],
                    categories=report["categories"])
-        self.tb.add_scalar("goodput/fraction", report["goodput"], step)
-        for name, seconds in report["categories"].items():
-            self.tb.add_scalar(f"goodput/{name}_s", seconds, step)
+        self._scalars({"goodput/fraction": report["goodput"],
+                       **{f"goodput/{name}_s": seconds for name, seconds in report["categories"].items()}}, step)
         lost = sorted(((s, n) for n, s in report["categories"].items() if n != "productive_steps"), reverse=True)[:3]
         self.message(f"goodput {report['goodput']:.3f} of {report['wall_s']:.0f} s over {report['starts']} start(s); "
                      f"most lost to {', '.join(f'{n} {s:.0f} s' for s, n in lost)} "
@@ -114,22 +173,31 @@ class Metrics:
             (self.bar.write if self.bar is not None else print)(text)
 
     def close(self) -> None:
+        """Closes the files and writes loss.png; a write that fails here is said in one line."""
         if not self.main:
             return
         self.bar.close()
-        self.tb.close()
-        self.file.close()
+        failed = self.failed
+        for what, f in ((self.dir / "tensorboard", self.tb), (self.dir / "metrics.jsonl", self.file)):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError as e:
+                self.failed = self.failed or f"cannot write {what}: {e.strerror or e}"
         if self.losses:
-            self.plot()
+            self._write(self.dir / "loss.png", self.plot)
+        if self.failed is not None and failed is None:
+            print(f"shardtrain: error: {self.failed}", file=sys.stderr, flush=True)
 
-    def summary(self) -> None:
-        """The closing console line of a finished run."""
+    def summary(self, ending: str = "done") -> None:
+        """The closing console line of a run that ended by itself (`done`) or was `preempted`."""
         if self.main and self.losses:
             times = sorted(self.step_times)
             median = times[len(times) // 2]
             first, last = self.losses[0], self.losses[-1]
-            print(f"done: step {last[0]}, loss {first[1]:.3f} -> {last[1]:.3f}, median step {median:.3f} s, "
-                  f"{self.tokens_per_step / median:.0f} tokens/s; run dir {self.dir}")
+            skipped = f"; {self.skipped} non-finite steps skipped" if self.skipped else ""
+            print(f"{ending}: step {last[0]}, loss {first[1]:.3f} -> {last[1]:.3f}, median step {median:.3f} s, "
+                  f"{self.tokens_per_step / median:.0f} tokens/s{skipped}; run dir {self.dir}")
             profile = self.dir / "profile"
             traced = self.cfg.train.profile_steps is not None and profile.is_dir()
             print(f"loss plot: {self.dir / 'loss.png'}" +

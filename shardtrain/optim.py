@@ -108,11 +108,15 @@ def describe(cfg: RunConfig, start: int = 0, changed: list[str] | None = None) -
                    (end, f"linear decay to {final:.3g} at step {end}")]
     text = [what for (until, what), (after, _) in zip(phases, [(0, ""), *phases]) if max(start, after) < until]
     text += [f"{final:.3g} from step {max(start, end)} to {last}"] if last > max(start, end) else []
+    short = (f"; optimizer.warmup_steps={o.warmup_steps} is past train.steps={last}: the LR ends at "
+             f"{float(schedule(cfg)(last)):.3g}, never reaching {lr:.3g}" if o.warmup_steps > last else
+             f"; optimizer.warmup_steps={o.warmup_steps} >= optimizer.decay_steps={o.decay_steps}: the decay takes "
+             "one step" if o.schedule != "constant" and o.warmup_steps >= (o.decay_steps or last) else "")
     if not start:
-        return f"lr: {', then '.join(text)}"
+        return f"lr: {', then '.join(text)}{short}"
     why = (f"re-planned: {', '.join(changed)}" if changed else "the schedule recorded at the run's start" +
            ("" if o.schedule == "constant" else "; optimizer.decay_steps=N re-plans the decay"))
-    return f"lr from step {start} ({float(schedule(cfg)(start)):.3g}): {', then '.join(text)} ({why})"
+    return f"lr from step {start} ({float(schedule(cfg)(start)):.3g}): {', then '.join(text)} ({why}){short}"
 
 
 def make(cfg: RunConfig, names: dict) -> optax.GradientTransformation:

@@ -21,12 +21,13 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
+from etils import epath
 
 import models
 from models import LORA_A, LORA_B, is_adapter
 from shardtrain import config as config_lib
-from shardtrain.checkpoint import diagnose, listing, manager
-from shardtrain.data import loader
+from shardtrain.checkpoint import diagnose, integrity, listing, manager
+from shardtrain.data import loader, tokenize
 from shardtrain.hf import io as hf_io, tokenizer as hf_tokenizer
 from shardtrain.parallel import comm, mesh as mesh_lib, sharding
 
@@ -125,22 +126,89 @@ def chain(cfg: dict, run_dir: Path, depth: int = 3) -> tuple[Path, ...]:
     return tuple(dict.fromkeys(dirs))
 
 
+def check_tokenizer(cfg: config_lib.RunConfig, opened: list) -> config_lib.RunConfig:
+    """`cfg` with data.tokenizer resolved to the fingerprint of the data's tokenizer (`opened`: its
+    sources), once the tokenizer the weights read is found to be the same: a resumed run's (its newest
+    checkpoint's) or checkpoint.init_from's, and data.tokenizer as set. ConfigError naming both
+    tokenizers unless data.allow_tokenizer_mismatch; a mixture must have one tokenizer too."""
+    data, allow = loader.tokenizers(cfg, opened), cfg.data.allow_tokenizer_mismatch
+    if len({fp for _, fp in data}) > 1 and not allow:
+        raise config_lib.ConfigError("data.mixture: the datasets come from different tokenizers (" + "; ".join(
+            f"{w}: {fp}" for w, fp in data) + "); prepare them all with one tokenizer (or set "
+            "data.allow_tokenizer_mismatch=true to train on them anyway)")
+    if not data:
+        return cfg
+    where, fp = data[0]
+    models = model_tokenizers(cfg)
+    for whose, theirs, _ in models:
+        if theirs is None or theirs == fp or allow:
+            continue
+        tok = next((d for _, _, d in models if d is not None), "THE_MODEL'S_TOKENIZER")
+        if cfg.data.source == "text":
+            raise config_lib.ConfigError(
+                f"data.source=text feeds UTF-8 bytes as token ids, but {whose} reads another tokenizer ({theirs}): "
+                f"tokenize the text with it, `shardtrain prepare 'GLOB' --tokenizer {tok} --out DIR`, then train "
+                "with data.source=tokens data.path=DIR (or set data.allow_tokenizer_mismatch=true to train on bytes)")
+        raise config_lib.ConfigError(
+            f"{where} was made by the tokenizer {fp}, but {whose} reads another tokenizer ({theirs}): prepare the "
+            f"data with the model's, `shardtrain prepare INPUT... --tokenizer {tok} --out DIR` (or set "
+            "data.allow_tokenizer_mismatch=true to train on it anyway)")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=fp))
+
+
+def model_tokenizers(cfg: config_lib.RunConfig) -> list:
+    """(whose, fingerprint or None, the tokenizer's directory or None) of each tokenizer the
+    run's weights come with: a resumed run's, else checkpoint.init_from's (recorded in their config,
+    else found along their chain: hf/tokenizer.py), then data.tokenizer as set."""
+    def of(config: dict, dirs: tuple) -> tuple:
+        tok_dir = next((d for d in dirs if any((d / n).is_file() for n in hf_tokenizer.TOKENIZER_FILES)), None)
+        recorded = (config.get("data") or {}).get("tokenizer")
+        if recorded is None and tok_dir is not None:  # one that does not load here is still not the data's
+            recorded = tokenize.fingerprint_of(tok_dir) or f"the one in {tok_dir}, which does not load here"
+        elif recorded is None and hf_tokenizer.find(list(dirs), config).byte_ids:
+            recorded = tokenize.BYTES
+        return recorded, tok_dir
+
+    out = []
+    meta = listing.newest_meta(cfg)
+    if meta and "config" in meta:
+        dirs = chain(meta["config"], Path(cfg.run_dir))
+        out.append((f"the model of this run's checkpoint step {meta.get('step')}", *of(meta["config"], dirs)))
+    elif cfg.checkpoint.init_from:
+        source = find(cfg.checkpoint.init_from)
+        out.append((f"the model of checkpoint.init_from={cfg.checkpoint.init_from}", *of(source.config, source.dirs)))
+    if cfg.data.tokenizer is not None:
+        out.append(("the model (data.tokenizer, as set in the config)", cfg.data.tokenizer, None))
+    return out
+
+
 def restore_params(step_dir: Path, abstract_params: dict) -> dict:
     """Only `params` of a checkpoint step (the optimizer state, if any, is not read)."""
     step_dir = Path(step_dir).absolute()  # orbax's metadata of a relative path has no tree (orbax 0.12.8)
+    try:
+        integrity.verify(epath.Path(step_dir))
+    except integrity.Damaged as e:
+        raise config_lib.ConfigError(f"{step_dir}: the checkpoint is damaged ({e}); use another step") from None
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     saved = ckptr.metadata(step_dir / "state")
     saved = getattr(saved, "item_metadata", saved)
     saved = getattr(saved, "tree", saved)
+    if saved is None:
+        raise config_lib.ConfigError(f"{step_dir}: its array metadata (state/_METADATA) is missing; use another step")
     bad = diagnose.mismatches(diagnose.leaf_shapes(saved.get("params", {})),
                               diagnose.leaf_shapes(abstract_params))
     if bad:
         raise config_lib.ConfigError(f"{step_dir}: the checkpoint's parameters do not fit this model "
                                      f"({len(bad)} paths): " + "; ".join(bad[:8]))
     item = {"params": abstract_params}
-    restored = ckptr.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
-        item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-    ckptr.close()
+    try:
+        restored = ckptr.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
+            item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+    except Exception as e:  # noqa: BLE001 - any read failure: one line naming the damage
+        raise config_lib.ConfigError(f"{step_dir} cannot be read: {diagnose.read_error(e, epath.Path(step_dir))}; "
+                                     "use another step") from None
+    finally:
+        ckptr.close()
     return restored["params"]
 
 
@@ -240,14 +308,16 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     config with checkpoint.init_from: OUT_DIR), the original config.json as hf_config.json and the
     tokenizer files."""
     t0 = time.perf_counter()
-    src = hf_io.HfDir(hf_dir)  # architecture, shards, shapes: checked before any work
+    apart("import-hf", hf_dir, out_dir)
+    src = hf_io.HfDir(hf_dir)  # architecture, shards, headers, shapes: checked before any work
     out = Path(out_dir).resolve()
     if listing.scan(str(out / "checkpoints")):
         raise config_lib.ConfigError(f"import-hf: {out} already holds checkpoints; give a new OUT_DIR")
     cfg = config_lib.load(None, ["mesh.fsdp=-1", f"run_dir={out}", f"checkpoint.init_from={out}",
                                  "optimizer.learning_rate=1e-4", "optimizer.warmup_steps=10", "data.source=tokens",
                                  f"data.path={loader.DATA_PATH_TO_FILL_IN}", *overrides])
-    cfg = dataclasses.replace(cfg, model=src.model, name=f"{out.name}-ft")  # its runs: runs/NAME-ft, not OUT_DIR
+    cfg = dataclasses.replace(cfg, model=src.model, name=f"{out.name}-ft",  # its runs: runs/NAME-ft, not OUT_DIR
+                              data=dataclasses.replace(cfg.data, tokenizer=tokenize.fingerprint_of(src.dir)))
     config_lib.validate(cfg)
     layout = fsdp_layout(cfg, "import-hf")
     params = src.params(layout.params)
@@ -260,6 +330,16 @@ def import_hf(hf_dir: str, out_dir: str, overrides=(), say=print) -> None:
     eos = f"EOS {found.eos_token!r} (id {found.eos_ids[0]})" if found.eos_ids else "no EOS token known"
     say(f"imported {src.family.architecture} ({n / 1e6:.2f}M parameters, {eos}) from {src.dir} to {out} in "
         f"{time.perf_counter() - t0:.1f} s; fine-tune: {FINE_TUNE_HINT.format(out=out)}")
+
+
+def apart(command: str, source: str | Path, out_dir: str | Path) -> None:
+    """ConfigError unless OUT_DIR and the source are apart (neither is the other nor inside it): a
+    command never writes into what it reads."""
+    src, out = Path(source).resolve(), Path(out_dir).resolve()
+    if out == src or out.is_relative_to(src) or src.is_relative_to(out):
+        where = "is" if out == src else "is inside" if out.is_relative_to(src) else "holds"
+        raise config_lib.ConfigError(f"{command}: OUT_DIR {out_dir} {where} the source {source}; a command never "
+                                     "writes into what it reads: give another OUT_DIR")
 
 
 def save_params(cfg: config_lib.RunConfig, layout: sharding.ParamLayout, params: dict) -> None:
@@ -291,7 +371,10 @@ def export_hf(source_path: str, out_dir: str, dtype: str | None = None, max_shar
     model directory loadable by transformers (config.json, safetensors weights, the tokenizer of the
     source's chain with its EOS / BOS: hf/tokenizer.py); says in one line when it writes no tokenizer."""
     t0 = time.perf_counter()
+    apart("export-hf", source_path, out_dir)
     source = find(source_path, what="export-hf")
+    if source.step_dir is not None:  # a step directory: its run's directory is the source too
+        apart("export-hf", source.step_dir.parent.parent, out_dir)
     base = source.base_hf_config()
     if dtype is None:
         dtype = (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"

@@ -93,6 +93,12 @@ def test_demo_config_trains_on_text(tmp_path):
     (["ckpt", "{tmp}/empty.yaml"], "'{tmp}/empty.yaml' is a file; pass the run directory"),
     (["plan", "meshes/demo.yaml", "--devices", "-8"], "--devices: must be a positive device count"),
     (["plan", "meshes/demo.yaml", "--devices", "0"], "--devices: must be a positive device count"),
+    (["train", "meshes/demo.yaml", "train.seed=-1"], "error: train.seed: must be between 0 and 2147483647, got -1"),
+    (["train", "meshes/demo.yaml", "model.d_model=0"], "error: model.d_model: must be > 0, got 0"),
+    (["train", "meshes/demo.yaml", "train.steps=99999999999999999999999"], "error: train.steps: 9999"),
+    (["train", "meshes/demo.yaml", "model.rope_theta=.nan"], "error: model.rope_theta: must be a finite number"),
+    (["train", "meshes/demo.yaml", "data.source=tokens", "data.mixture=[{{path: /a, weight: .inf}}]"],
+     "error: data.mixture[0].weight: must be a finite number, got inf"),
 ])
 def test_newcomer_mistakes_exit_2_with_one_line_before_training(capsys, tmp_path, argv, message):
     (tmp_path / "empty.yaml").write_text("")
@@ -102,7 +108,7 @@ def test_newcomer_mistakes_exit_2_with_one_line_before_training(capsys, tmp_path
     code, err = run_cli(capsys, *argv)
     assert code == 2 and message.format(tmp=tmp_path) in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
 @pytest.mark.slow
@@ -139,6 +145,20 @@ def test_resuming_with_another_optimizer_exits_2_with_one_line_before_compiling(
             "state; resume with optimizer.name=adamw") in err
 
 
+def test_resume_refuses_a_new_model_function_before_compiling_and_says_other_changes(tmp_path, capsys):
+    """model.activation keeps every shape: the resume used to train on with exit 0 and no line."""
+    run = [*conftest.TINY, "optimizer.warmup_steps=1", "train.compile_cache=false", f"run_dir={tmp_path}"]
+    assert run_cli(capsys, "train", "meshes/demo.yaml", *run, "train.steps=2")[0] == 0
+    before = {f: (tmp_path / f).read_bytes() for f in ("metrics.jsonl", "config.yaml")}
+    code, err = run_cli(capsys, "train", "meshes/demo.yaml", *run, "train.steps=3", "model.activation=gelu_tanh")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert (f"error: resuming from checkpoint step 2 in {tmp_path}/checkpoints would change the model's function: "
+            "model.activation silu -> gelu_tanh; to do it on purpose, allow it (checkpoint.allow_changes="
+            "[model.activation]) or start a new run") in err
+    assert {f: (tmp_path / f).read_bytes() for f in before} == before  # nothing trained, nothing written
+    # what a resume may change is said instead: tests/checkpoint/test_diagnose.py, every kind of change
+
+
 @pytest.mark.parametrize("overrides, line", [
     ([], "shardtrain: gpt, 37.0K params, all trainable; on 8 cpu devices"),
     (["model.name=llama", "model.lora.rank=2", "model.lora.targets=[q_proj,w_down_fd]"],
@@ -161,12 +181,22 @@ def test_start_of_a_run_says_what_trains(overrides, line):
      "gradients reduced every step in float32; pipeline gpipe, 2 stages, 8 micro-batches; 2 accumulation steps"),
     (["train.comm.sync=local_sgd", "train.comm.sync_every=4"],
      "local SGD over data, sync every 4 steps in float32 (outer lr 1.0, momentum 0.0)"),
+    (["train.quantization=int8", "train.compute_dtype=bfloat16"],
+     "; remat none; compute bfloat16 with int8 matmuls, params float32; "),
 ])
 def test_start_of_a_run_says_its_mode_in_one_line(overrides, line):
     from shardtrain import config, loop, step
     from shardtrain.parallel import mesh as mesh_lib
     cfg = config.load("meshes/demo.yaml", overrides)
     assert line in loop.mode_line(step.build(cfg, mesh_lib.make_mesh(cfg.mesh)))
+
+
+def test_a_key_given_twice_on_the_command_line_is_said(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:  # it used to keep the last value silently
+        cli.main(["train", "meshes/demo.yaml", "train.steps=3", "train.steps=5", "model.d_model=0",
+                  f"run_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert e.value.code == 2 and out == "shardtrain: train.steps is given 2 times ('3', then '5'); the last one wins\n"
 
 
 def test_lora_targets_the_model_lacks_stop_train_before_anything_is_written(tmp_path, capsys):

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -44,6 +45,8 @@ def test_dump_round_trips(tmp_path):
     ("steps", "override 'steps' is not KEY=VALUE"),
     ("checkpoint.writer_niceness=20",
      "checkpoint.writer_niceness: must be 0 (no change) to 19 (lowest priority), got 20"),
+    ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep: must be >= 1, got 0 (0 would delete every checkpoint"),
+    ("checkpoint.keep_period=-2", "checkpoint.keep_period: must be >= 1, got -2"),
 ])
 def test_bad_input_names_the_field(override, message):
     overrides = [override] if override != "mesh.data=-1" else ["mesh.data=-1", "mesh.fsdp=-1"]
@@ -78,6 +81,24 @@ def test_missing_config_file():
     ("optimizer.warmup_steps=-1", "optimizer.warmup_steps: must be >= 0"),
     ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio: must be in [0, 1]"),
     ("optimizer.decay_steps=0", "optimizer.decay_steps: must be >= 1"),
+    ("train.seed=-1", "train.seed: must be between 0 and 2147483647, got -1"),
+    ("train.seed=4294967296", "train.seed: must be between 0 and 2147483647, got 4294967296"),
+    ("model.d_model=0", "model.d_model: must be > 0, got 0"),
+    ("model.n_heads=0", "model.n_heads: must be > 0, got 0"),  # was a ZeroDivisionError
+    ("model.vocab_size=-3", "model.vocab_size: must be > 0, got -3"),
+    ("model.rope_scaling={factor: 0}", "model.rope_scaling.factor: must be > 0, got 0.0"),
+    ("train.steps=99999999999999999999999",
+     "train.steps: 99999999999999999999999 is out of range (an integer here is at most 9223372036854775807 in "
+     "magnitude)"),
+    ("train.steps=2147483648", "train.steps: must be at most 2147483647 (the optimizer counts steps in an int32)"),
+    ("model.rope_theta=.nan", "model.rope_theta: must be a finite number, got nan"),
+    ("optimizer.learning_rate=.inf", "optimizer.learning_rate: must be a finite number, got inf"),
+    ("optimizer.b1=nan", "optimizer.b1: must be a finite number, got 'nan'"),  # a string YAML leaves to float()
+    ("data.mixture=[{path: /a, weight: .nan}]", "data.mixture[0].weight: must be a finite number, got nan"),
+    ("data.mixture=[{path: /a, weight: -.inf}]", "data.mixture[0].weight: must be a finite number, got -inf"),
+    ("train.watchdog.hang_min_s=.inf", "train.watchdog.hang_min_s: must be a finite number, got inf"),
+    ("checkpoint.allow_changes=[model.activaton]",
+     "checkpoint.allow_changes: 'model.activaton' is not a config key; did you mean 'model.activation'?"),
 ])
 def test_invalid_values_are_refused_at_load(override, message):
     with pytest.raises(ConfigError) as e:
@@ -100,6 +121,26 @@ def test_unusable_config_files_name_the_file(tmp_path, text, message):
         config.load(str(p))
     assert message.format(p=p) in str(e.value) and "\n" not in str(e.value)
     assert "<unicode string>" not in str(e.value)
+
+
+def test_a_key_given_twice_is_said_and_the_last_one_wins():  # (the CLI prints these lines)
+    overrides = ["train.steps=3", "train.log_every=2", "train.steps=5", "train.steps=7"]
+    assert config.repeated(overrides) == ["train.steps is given 3 times ('3', then '5', then '7'); the last one wins"]
+    assert config.load("meshes/demo.yaml", overrides).train.steps == 7
+    assert config.repeated(["train.steps=3", "train.log_every=3"]) == []
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_in_a_short_line(tmp_path):
+    """9 levels of 9 aliases: 9^9 items that PyYAML shares by reference; their repr would be 3 GB."""
+    levels = "abcdefghi"
+    bomb = ", ".join(["&a [" + ", ".join(["lol"] * 9) + "]"] +
+                     [f"&{c} [" + ", ".join([f"*{p}"] * 9) + "]" for p, c in zip(levels, levels[1:])])
+    (tmp_path / "bomb.yaml").write_text(f"train:\n  steps: [{bomb}]\n")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        config.load(str(tmp_path / "bomb.yaml"))
+    assert time.perf_counter() - t0 < 1
+    assert str(e.value).startswith("train.steps: expected int, got [['lol', 'lol', ") and len(str(e.value)) < 240
 
 
 def test_a_directory_as_config_says_so(tmp_path):

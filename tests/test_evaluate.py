@@ -42,6 +42,18 @@ def test_eval_reads_the_runs_config_unless_given_one(tmp_path):
         cli.eval_paths(["/nowhere"])
 
 
+def test_an_eval_that_wraps_around_a_small_split_says_so_once(prepared, cfg_factory, capsys):
+    cfg = cfg_for(cfg_factory, prepared, "train.eval_steps=1000")
+    held = len(loader.sources(cfg, "eval")[0])
+    evaluate.Evaluator(types.SimpleNamespace(cfg=cfg))  # only its config is read before the evaluation
+    assert capsys.readouterr().out == (
+        f"eval: each evaluation reads 8000 windows (train.eval_steps=1000 x train.global_batch_size=8), but the "
+        f"held-out split has {held}: it reads some twice and counts their tokens again; train.eval_steps={held // 8} "
+        "reads each at most once\n")
+    evaluate.Evaluator(types.SimpleNamespace(cfg=cfg_for(cfg_factory, prepared, f"train.eval_steps={held // 8}")))
+    assert capsys.readouterr().out == ""
+
+
 def test_an_empty_eval_split_says_what_fits_the_command(tok_path, corpus, cfg_factory, tmp_path):
     """`shardtrain eval` is not told to set train.eval_every=0; training with evaluation is."""
     prepare.prepare([str(corpus / "c*.txt")], prepare.Options(str(tok_path), str(tmp_path / "ds")), workers=1,
@@ -52,3 +64,19 @@ def test_an_empty_eval_split_says_what_fits_the_command(tok_path, corpus, cfg_fa
     assert "eval_every" not in str(e.value)
     with pytest.raises(ConfigError, match="--eval-fraction F .*, or train without evaluation: train.eval_every=0"):
         evaluate.Evaluator(types.SimpleNamespace(cfg=cfg))  # only its config is read before the split
+
+
+def test_eval_of_a_step_without_its_array_metadata_is_one_line(capsys, tmp_path):
+    import conftest
+    code, _, err = run_cli(capsys, "train", "meshes/demo.yaml", *conftest.TINY, "model.name=mlp", "train.steps=2",
+                           f"run_dir={tmp_path}")
+    assert code == 0, err
+    step = tmp_path / "checkpoints" / "2"
+    (step / "state" / "_METADATA").unlink()
+    for checksums in (True, False):  # found by the checksums, or (a step written without them) by reading
+        if not checksums:
+            (step / "checksums.json").unlink()
+        code, out, err = run_cli(capsys, "eval", str(step))
+        assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
+        assert f"checkpoint step 2 in {tmp_path / 'checkpoints'} cannot be used: " in err
+        assert "state/_METADATA is missing" in err and "Traceback" not in err

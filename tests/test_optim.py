@@ -187,6 +187,20 @@ def test_schedule_values_and_their_line(schedule, lrs, line):
     assert said == line
 
 
+@pytest.mark.parametrize("overrides, line", [
+    (["train.steps=4"], "lr: linear warmup to 0.003 at step 10, then cosine decay to 0.0003 at step 11; "
+                        "optimizer.warmup_steps=10 is past train.steps=4: the LR ends at 0.0012, never reaching 0.003"),
+    (["train.steps=40", "optimizer.decay_steps=8"],
+     "lr: linear warmup to 0.003 at step 10, then cosine decay to 0.0003 at step 11, then 0.0003 from step 11 to 40; "
+     "optimizer.warmup_steps=10 >= optimizer.decay_steps=8: the decay takes one step"),
+    (["train.steps=4", "optimizer.schedule=constant"],
+     "lr: linear warmup to 0.003 at step 10; optimizer.warmup_steps=10 is past train.steps=4: the LR ends at 0.0012, "
+     "never reaching 0.003"),
+])
+def test_a_warmup_longer_than_the_schedule_is_said(overrides, line):
+    assert optim.resolve_schedule(config.load(None, ["optimizer.warmup_steps=10", *overrides]), None)[1] == line
+
+
 def test_wsd_decay_fraction_and_a_resume_inside_the_decay():
     cfg, line = optim.resolve_schedule(
         config.load(None, ["optimizer.schedule=wsd", "optimizer.decay_fraction=0.5", "optimizer.warmup_steps=2",

@@ -14,8 +14,11 @@ several processes ("Cannot serialize host local jax.Array in multi-host setting"
 a small writer of its own, with Orbax's commit protocol: a step is written to a temporary
 directory and committed by an atomic rename; nothing else is ever read.
 
-Layout: DIR/process-<i>-of-<n>/<step>/ holds meta.json (the persistent tier's meta, the run dir,
-and a fingerprint of the shard layout) and one .npy per distinct shard this process holds. No
+Layout: DIR/RUN names the run dir whose tier DIR is (another run refuses DIR while that run dir
+exists: two runs would delete each other's steps); DIR/process-<i>-of-<n>/<step>/ holds meta.json
+(the persistent tier's meta, the run dir, a fingerprint of the shard layout and a crc32 of each
+array file's data) and one .npy per distinct shard this process holds. A step whose data no longer
+matches its checksums is moved to DIR/process-<i>-of-<n>/unusable/<step>. No
 process waits for another while saving, so a dead or slow peer never blocks a save, and the
 processes of one host share DIR, each in its own part. A step restores only onto the same layout
 (same mesh, devices and process count); `restore_newest` lets all processes agree on the newest
@@ -27,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -36,7 +40,26 @@ import jax
 import numpy as np
 
 from shardtrain import config as config_lib
-from shardtrain.checkpoint import manager
+from shardtrain.checkpoint import integrity, listing, manager
+from shardtrain.parallel import sharding
+
+OWNER_FILE = "RUN"
+"""In checkpoint.local.directory: the run dir (absolute) of the run whose local tier it is."""
+
+
+def owner_conflict(cfg: config_lib.RunConfig) -> None:
+    """Raises ConfigError when checkpoint.local.directory is the local tier of another run whose run
+    dir still exists (the two would delete each other's local steps). Reads only."""
+    owner_file = Path(cfg.checkpoint.local.directory) / OWNER_FILE
+    try:
+        owner = owner_file.read_text().strip()
+    except OSError:
+        return
+    if owner and Path(owner).exists() and Path(owner).resolve() != Path(cfg.run_dir).resolve():
+        raise config_lib.ConfigError(
+            f"checkpoint.local.directory={cfg.checkpoint.local.directory} is the local tier of the run {owner[:200]} "
+            f"(named in {owner_file}); give this run its own directory, e.g. "
+            f"checkpoint.local.directory={Path(cfg.checkpoint.local.directory) / Path(cfg.run_dir).name}")
 
 
 def index_key(index: tuple[slice, ...], shape) -> tuple[tuple[int, int], ...]:
@@ -65,14 +88,18 @@ class LocalTier:
 
     def __init__(self, cfg: config_lib.RunConfig, abstract_state):
         c = cfg.checkpoint.local
+        owner_conflict(cfg)
         self.dir = Path(c.directory) / f"process-{jax.process_index()}-of-{jax.process_count()}"
         self.dir.mkdir(parents=True, exist_ok=True)
+        (Path(c.directory) / OWNER_FILE).write_text(f"{Path(cfg.run_dir).resolve()}\n")
         for tmp in self.dir.glob("*.tmp-*"):  # a write cut short by a kill
             shutil.rmtree(tmp, ignore_errors=True)
         self.keep, self.run_dir, self.abstract_state = c.max_to_keep, str(cfg.run_dir), abstract_state
         self.layout = fingerprint(abstract_state)
         self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardtrain-local-save")
         self.pending: concurrent.futures.Future | None = None
+        self.failed_saves = 0
+        self.names = [sharding.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract_state)]
 
     def all_steps(self) -> list[int]:
         """Committed steps in this process's directory (any run or layout), newest first."""
@@ -112,7 +139,8 @@ class LocalTier:
         tmp.mkdir()
         for name, array in host.items():
             np.save(tmp / f"{name}.npy", array, allow_pickle=False)
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        checksums = {name: integrity.crc(array) for name, array in host.items()}
+        (tmp / "meta.json").write_text(json.dumps({**meta, "checksums": checksums}))
         shutil.rmtree(final, ignore_errors=True)  # left by a timeline abandoned at a restart
         tmp.rename(final)  # the commit
         for old in self.all_steps()[self.keep:]:
@@ -124,21 +152,29 @@ class LocalTier:
         if self.pending is not None:
             try:
                 self.pending.result()
-            except OSError as e:
-                print(f"shardtrain[process {jax.process_index()}]: warning: a local checkpoint save to {self.dir} "
-                      f"failed ({e}); the run goes on", file=sys.stderr, flush=True)
+            except OSError as e:  # said once on the console; every failure goes to run_dir/shardtrain.log
+                logging.getLogger(__name__).warning("local checkpoint save to %s failed: %s", self.dir, e)
+                if not self.failed_saves:
+                    print(f"shardtrain[process {jax.process_index()}]: warning: a local checkpoint save to {self.dir} "
+                          f"failed ({e}); the run goes on with the persistent tier (later failures are not "
+                          f"repeated here: see shardtrain.log)", file=sys.stderr, flush=True)
+                self.failed_saves += 1
             self.pending = None
 
     def restore(self, step: int) -> tuple[dict, dict]:
         """The state (in this run's shardings) and meta of local step `step`; raises if unreadable."""
         where = self.dir / str(step)
         meta = json.loads((where / "meta.json").read_text())
+        checksums = meta.get("checksums")  # none in a step written before shardtrain recorded them
         leaves, tree = jax.tree.flatten(self.abstract_state)
         out = []
         for n, leaf in enumerate(leaves):
             arrays = []
             for k, (key, devices) in enumerate(distinct_shards(leaf)):
-                host = np.load(where / f"leaf{n:05d}.s{k}.npy", allow_pickle=False)
+                name = f"leaf{n:05d}.s{k}"
+                host = np.load(where / f"{name}.npy", allow_pickle=False)
+                if checksums is not None and checksums.get(name) != integrity.crc(host):
+                    raise integrity.Damaged(f"checksum mismatch in {self.names[n]} ({name}.npy)")
                 if host.dtype.kind == "V" and host.dtype.itemsize == np.dtype(leaf.dtype).itemsize:
                     host = host.view(leaf.dtype)  # bfloat16 and the like are stored as raw bytes
                 if host.shape != tuple(b - a for a, b in key) or host.dtype != leaf.dtype:
@@ -148,6 +184,14 @@ class LocalTier:
             arrays.sort(key=lambda pair: pair[0].id)
             out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, [a for _, a in arrays]))
         return jax.tree.unflatten(tree, out), meta
+
+    def set_aside(self, step: int) -> Path:
+        """Moves local step `step` to unusable/ (out of the steps, never deleted); returns where."""
+        target = self.dir / listing.UNUSABLE_DIR / str(step)
+        shutil.rmtree(target, ignore_errors=True)
+        target.parent.mkdir(exist_ok=True)
+        (self.dir / str(step)).rename(target)
+        return target
 
     def forget_after(self, step: int) -> None:
         """Deletes the local steps after `step` (a timeline abandoned by this start)."""
@@ -182,14 +226,18 @@ def restore_newest(persistent: manager.Checkpointer, local: LocalTier | None, sa
         for step in common:
             if step <= newest_persistent:
                 break
+            damaged = None
             try:
                 state, meta = local.restore(step)
                 error = None
+            except integrity.Damaged as e:
+                error = damaged = f"{e}; moved it to {local.set_aside(step)}"
             except Exception as e:  # noqa: BLE001 - any read failure makes the local step unusable
                 error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             if manager.all_processes_agree(error is None):
                 return state, meta, "local"
-            say(f"local checkpoint step {step} cannot be read on every process"
+            say(f"local checkpoint step {step} is unusable ({damaged}); trying an older step" if damaged else
+                f"local checkpoint step {step} cannot be read on every process"
                 f"{f' (here: {error})' if error else ''}; trying an older step")
         if mine and mine[0] > newest_persistent and mine[0] not in common:
             say(f"local checkpoint step {mine[0]} is not held whole by every process; "

@@ -8,7 +8,7 @@ One source of truth: every other module reads a `RunConfig`. Errors a user can c
 - `validate.py`: the cross-field checks, one `validate_<section>` per section.
 """
 
-from shardtrain.config.load import absolute, dump, from_dict, load, read_yaml, resolve_paths, to_dict
+from shardtrain.config.load import absolute, dump, from_dict, load, read_yaml, repeated, resolve_paths, to_dict
 from shardtrain.config.model import LoraConfig, MlaConfig, ModelConfig, MoeConfig, RopeScalingConfig
 from shardtrain.config.schema import (
     MESH_AXES,
@@ -31,6 +31,7 @@ from shardtrain.config.schema import (
     WatchdogConfig,
     is_url,
     mesh_axes,
+    shown,
 )
 from shardtrain.config.validate import validate, validate_hardware, validate_optimizer
 
@@ -39,6 +40,6 @@ __all__ = [
     "HardwareConfig", "LocalTierConfig", "LoraConfig", "MeshConfig", "MixtureEntry", "MlaConfig", "ModelConfig",
     "MoeConfig",
     "OptimizerConfig", "PipelineConfig", "RopeScalingConfig", "RulesConfig", "RunConfig", "TrainConfig",
-    "WatchdogConfig", "absolute", "dump", "from_dict", "is_url", "load", "mesh_axes", "read_yaml", "resolve_paths",
-    "to_dict", "validate", "validate_hardware", "validate_optimizer",
+    "WatchdogConfig", "absolute", "dump", "from_dict", "is_url", "load", "mesh_axes", "read_yaml", "repeated",
+    "resolve_paths", "shown", "to_dict", "validate", "validate_hardware", "validate_optimizer",
 ]

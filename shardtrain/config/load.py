@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -19,7 +20,7 @@ from typing import Literal
 
 import yaml
 
-from shardtrain.config.schema import MOVED, ConfigError, RunConfig, is_url
+from shardtrain.config.schema import MOVED, ConfigError, RunConfig, is_url, shown
 from shardtrain.config.validate import validate
 
 
@@ -28,7 +29,7 @@ def _convert(tp, value, where: str):
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {shown(value)}")
         return _build(tp, value, where)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -40,31 +41,42 @@ def _convert(tp, value, where: str):
                 return _convert(arg, value, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[-1] if len(errors) == 1 else f"{where}: {value!r} is not a valid {_type_name(tp)}")
+        raise ConfigError(errors[-1] if len(errors) == 1 else
+                          f"{where}: {shown(value)} is not a valid {_type_name(tp)}")
     if origin is Literal:
         if value not in typing.get_args(tp):
             choices = ", ".join(map(str, typing.get_args(tp)))
-            raise ConfigError(f"{where}: {value!r} is not one of: {choices}")
+            raise ConfigError(f"{where}: {shown(value)} is not one of: {choices}")
         return value
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {shown(value)}")
         if args and args[-1] is Ellipsis:
             return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
-            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {shown(value)}")
         return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-2 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:  # (YAML 1.1 reads 1e-2, without a dot, as a string)
+            number = float(value)
+        except (ValueError, OverflowError):
+            number = None
+        if number is not None and not math.isfinite(number):
+            raise ConfigError(f"{where}: must be a finite number, got {shown(value)}")
+        if number is not None:
+            return number
+    if tp is int and isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+        raise ConfigError(f"{where}: {shown(value)} is out of range (an integer here is at most {INT_LIMIT} "
+                          "in magnitude)")
     if tp in (int, str, bool) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shown(value)}")
+
+
+INT_LIMIT = 2**63 - 1
+"""The largest integer any config field may hold (int64: what numpy and jax take); validate.py
+bounds some fields further."""
 
 
 def _type_name(tp) -> str:
@@ -82,7 +94,7 @@ def _build(cls, values: dict, where: str):
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; known: {', '.join(names)}"
-            raise ConfigError(f"unknown config key '{path}'{hint}")
+            raise ConfigError(f"unknown config key {shown(path)}{hint}")
         kwargs[key] = _convert(hints[key], value, path)
     return cls(**kwargs)
 
@@ -156,8 +168,21 @@ def read_yaml(p: Path) -> dict:
     return tree
 
 
+def repeated(overrides: typing.Sequence[str]) -> list[str]:
+    """A line for each KEY that `key=value` overrides give more than once, saying which value wins
+    (the last, as `load` applies them in order: scripts build on a base list of overrides)."""
+    given: dict[str, list[str]] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if sep:
+            given.setdefault(key.strip(), []).append(raw)
+    return [f"{k[:100]} is given {len(v)} times ({', then '.join(shown(x, 60) for x in v)}); "
+            f"the last one wins" for k, v in given.items() if len(v) > 1]
+
+
 def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
-    """Loads a YAML config (or the defaults) and applies `key=value` overrides (YAML values)."""
+    """Loads a YAML config (or the defaults) and applies `key=value` overrides (YAML values, in order:
+    a later one wins; the command line says so, `repeated`)."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -166,7 +191,7 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> RunCo
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override '{item}' is not KEY=VALUE (e.g. train.steps=50)")
+            raise ConfigError(f"override {shown(item)} is not KEY=VALUE (e.g. train.steps=50)")
         try:
             value = yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError:

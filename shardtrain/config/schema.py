@@ -10,6 +10,7 @@ in `load.py`, cross-field checks in `validate.py`.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, Optional
@@ -19,6 +20,19 @@ from shardtrain.config.model import ModelConfig, MoeConfig
 
 class ConfigError(ValueError):
     """A mistake in user input (config, overrides, mesh, data, checkpoint). Exit code 2."""
+
+
+_SHORT = reprlib.Repr()  # (Repr's keyword arguments are Python 3.12+)
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict = 3, 6, 6, 6
+_SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 160, 60, 160
+
+
+def shown(value, limit: int = 200) -> str:
+    """A value as an error message may echo it: its repr, at most `limit` characters, and never the
+    whole of a huge one (a YAML alias bomb is a list of billions of shared items: reprlib stops at a
+    few items per level instead of building a 3 GB string)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def is_url(location: str) -> bool:
@@ -140,6 +154,13 @@ class DataConfig:
     verify: Literal["size", "checksum"] = "size"
     """tokens: check each shard's size against the manifest (cheap), or also its sha256 (reads
     every shard once at start)."""
+    tokenizer: Optional[str] = None
+    """The fingerprint of the tokenizer the model reads (`bytes`, or `N tokens, sha256 HEX`: its
+    vocabulary's, as `prepare` records it in manifest.json); null: the data's, resolved at the run's
+    start and recorded in run_dir/config.yaml and every checkpoint (import-hf writes its model's). The
+    data, checkpoint.init_from's weights and a resumed run's must all have this tokenizer."""
+    allow_tokenizer_mismatch: bool = False
+    """true: train anyway on data tokenized by another tokenizer than the weights' (else one-line error)."""
 
 
 @dataclass(frozen=True)
@@ -324,6 +345,11 @@ class CheckpointConfig:
     """Start from these weights (step 0, fresh optimizer state): a directory written by
     `shardtrain import-hf`, a run directory or checkpoint step directory, or a Hugging Face model
     directory (config.json + *.safetensors). Ignored once run_dir has checkpoints (resume wins)."""
+    allow_changes: tuple[str, ...] = ()
+    """Config keys (or sections, e.g. model.rope_scaling) a resume may change although they change
+    the model's function or the data stream (model.*, data.path, data.seq_len, data.mixture,
+    train.seed, ...): a resume that changes one not listed here stops with exit 2
+    (checkpoint/diagnose.py check_changes)."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import typing
 
 from shardtrain.chips import CHIPS
 from shardtrain.config.model import ModelConfig, MoeConfig
@@ -30,7 +31,14 @@ from shardtrain.config.schema import (
     WatchdogConfig,
     is_url,
     mesh_axes,
+    shown,
 )
+
+MAX_STEPS = 2**31 - 1
+"""The most steps a schedule may count: optax keeps the step count in an int32."""
+MAX_SEED = 2**31 - 1
+"""train.seed: 0..MAX_SEED (grain's shuffle takes 0..2**32-1, and a mixture's k-th dataset and the
+synthetic eval split use seed + k)."""
 
 
 def validate(cfg: RunConfig) -> None:
@@ -40,6 +48,7 @@ def validate(cfg: RunConfig) -> None:
     validate_data(cfg.data)
     validate_optimizer(cfg.optimizer, cfg.model.lora.rank)
     validate_checkpoint(cfg.checkpoint)
+    validate_allow_changes(cfg.checkpoint.allow_changes)
     validate_model(cfg.model)
     validate_lora(cfg.model, cfg.train.comm)
     validate_run_dir(cfg.run_dir)
@@ -73,6 +82,11 @@ def validate_train(t: TrainConfig, seq_len: int) -> None:
                   ("train.grad_accum_steps", t.grad_accum_steps), ("train.log_every", t.log_every),
                   ("data.seq_len", seq_len), ("train.scan_unroll", t.scan_unroll),
                   ("train.eval_steps", t.eval_steps)])
+    if t.steps > MAX_STEPS:
+        raise ConfigError(f"train.steps: must be at most {MAX_STEPS} (the optimizer counts steps in an int32), "
+                          f"got {t.steps}")
+    if not 0 <= t.seed <= MAX_SEED:
+        raise ConfigError(f"train.seed: must be between 0 and {MAX_SEED}, got {t.seed}")
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every: must be >= 0 (0: no evaluation), got {t.eval_every}")
     if t.profile_steps is not None:
@@ -132,8 +146,9 @@ def validate_optimizer(o: OptimizerConfig, lora_rank: int = 0) -> None:
         ("b2", 0 <= o.b2 < 1, "in [0, 1), e.g. 0.95"),
         ("weight_decay", o.weight_decay >= 0, ">= 0 (0 turns it off)"),
         ("grad_clip", o.grad_clip > 0, "> 0, e.g. 1.0"),
-        ("warmup_steps", o.warmup_steps >= 0, ">= 0"),
-        ("decay_steps", o.decay_steps is None or o.decay_steps >= 1, ">= 1 (or null: train.steps)"),
+        ("warmup_steps", 0 <= o.warmup_steps <= MAX_STEPS, f">= 0 and <= {MAX_STEPS}"),
+        ("decay_steps", o.decay_steps is None or 1 <= o.decay_steps <= MAX_STEPS,
+         f">= 1 and <= {MAX_STEPS} (or null: train.steps)"),
         ("min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
         ("decay_fraction", 0 < o.decay_fraction <= 1, "in (0, 1], e.g. 0.2 (the last 20% of decay_steps)"),
     ]:
@@ -145,8 +160,12 @@ def validate_optimizer(o: OptimizerConfig, lora_rank: int = 0) -> None:
 
 
 def validate_checkpoint(c: CheckpointConfig) -> None:
-    at_least_one([("checkpoint.every_steps", c.every_steps), ("checkpoint.local.every_steps", c.local.every_steps),
-                  ("checkpoint.local.max_to_keep", c.local.max_to_keep)])
+    at_least_one([("checkpoint.every_steps", c.every_steps), ("checkpoint.local.every_steps", c.local.every_steps)])
+    for name, value, why in (("max_to_keep", c.max_to_keep, "0 would delete every checkpoint, the newest too"),
+                             ("local.max_to_keep", c.local.max_to_keep, "0 would delete every local step"),
+                             ("keep_period", c.keep_period, "unset (null) keeps no steps beyond max_to_keep")):
+        if value is not None and value < 1:
+            raise ConfigError(f"checkpoint.{name}: must be >= 1, got {value} ({why})")
     if c.local.directory is not None and is_url(c.local.directory):
         raise ConfigError(f"checkpoint.local.directory={c.local.directory}: must be a directory on each host "
                           "(e.g. /dev/shm/run or a local SSD), not a URL; checkpoint.directory is the persistent tier")
@@ -159,6 +178,18 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
 
 
 def validate_model(m: ModelConfig) -> None:
+    sizes = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim"]
+    mla = ["q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+    rope = ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    positive = [(f"model.{k}", getattr(m, k)) for k in [*sizes, "rope_theta", "rope_local_theta"]]
+    positive += [(f"model.moe.{k}", getattr(m.moe, k)) for k in ("shared_expert_d_ff", "dense_d_ff")]
+    positive += [(f"model.mla.{k}", getattr(m.mla, k)) for k in mla if m.mla is not None]
+    positive += [(f"model.rope_scaling.{k}", getattr(m.rope_scaling, k)) for k in rope if m.rope_scaling is not None]
+    for name, value in positive:
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name}: must be > 0, got {value}")
+    if m.rms_norm_eps < 0:
+        raise ConfigError(f"model.rms_norm_eps: must be >= 0, got {m.rms_norm_eps}")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.sliding_window is not None and m.sliding_window < 1:
@@ -212,6 +243,27 @@ def validate_lora(m: ModelConfig, comm: CommConfig) -> None:
         raise ConfigError("model.lora.rank > 0 needs train.comm.sync=every_step and "
                           "train.comm.grad_reduce_dtype=float32 "
                           "(LoRA with local SGD or compressed gradients is not supported yet)")
+
+
+def validate_allow_changes(keys: tuple[str, ...]) -> None:
+    """checkpoint.allow_changes names config keys or sections."""
+    known = config_keys(RunConfig)
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else " (e.g. model.activation, data.path, train.seed)"
+            raise ConfigError(f"checkpoint.allow_changes: {shown(key, 100)} is not a config key{hint}")
+
+
+def config_keys(cls, prefix: str = "") -> list[str]:
+    """Every dotted key of a config class, sections included (model, model.moe, model.moe.n_experts, ...)."""
+    keys = []
+    for name, tp in typing.get_type_hints(cls).items():
+        keys.append(prefix + name)
+        section = next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
+        if section is not None:
+            keys += config_keys(section, f"{prefix}{name}.")
+    return keys
 
 
 def validate_run_dir(run_dir: str | None) -> None:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -39,6 +41,14 @@ from shardtrain.data import storage, tokenize
 ROLES = ("system", "user", "assistant", "tool")
 FIELD = "messages"
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+RENDER_SECONDS = 10
+"""Time limit of one conversation's rendering (all its prefixes included): a template past it is an error."""
+OUTPUT_CHARS = 8 * 2 ** 20
+"""Limit of one rendering's text, and of any string or count a template asks for ('x' * n, center(n), ...)."""
+
+
+class RenderLimit(Exception):
+    """A chat template ran past RENDER_SECONDS or asked for more than OUTPUT_CHARS."""
 
 
 def find_template(tokenizer_dir: Path) -> tuple[str, str]:
@@ -123,11 +133,77 @@ def _environment():
 
         __str__ = jinja2.Undefined._fail_with_undefined_error
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=Unprintable,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    class Bounded(ImmutableSandboxedEnvironment):
+        """The sandbox with bounded operations: `*`, `**`, `%` and calls (filters included) whose
+        numbers or format widths ask for more than OUTPUT_CHARS are refused before they allocate."""
+
+        intercepted_binops = frozenset(["*", "**", "%"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, int) and isinstance(left, int) and abs(left) > 1 \
+                    and right * abs(left).bit_length() > 8 * OUTPUT_CHARS:
+                raise RenderLimit(f"{left} ** {right} has more than {8 * OUTPUT_CHARS} bits")
+            if operator == "*":
+                seq, n = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(n, int) and hasattr(seq, "__len__") and len(seq) * n > OUTPUT_CHARS:
+                    raise RenderLimit(f"a sequence of {len(seq)} x {n} items")
+            if operator == "%" and isinstance(left, str):
+                _check_numbers([left])
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+            target = getattr(__obj, "__wrapped__", __obj)
+            if getattr(target, "__name__", "") in ("format", "format_map"):
+                _check_numbers([getattr(target, "__self__", "")])
+            _check_numbers([*args, *kwargs.values()])
+            return super().call(__context, __obj, *args, **kwargs)
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, undefined=Unprintable,
+                  extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters = {name: _bounded(f) for name, f in env.filters.items()}
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
     return env
+
+
+def _check_numbers(values) -> None:
+    """RenderLimit when an int, or a width in a format string, exceeds OUTPUT_CHARS."""
+    for v in values:
+        big = v if isinstance(v, int) and not isinstance(v, bool) else \
+            max(map(int, re.findall(r"\d{8,}", v)), default=0) if isinstance(v, str) else 0
+        if abs(big) > OUTPUT_CHARS:
+            raise RenderLimit(f"a count or width of {str(big)[:40]}")
+
+
+def _bounded(f):
+    """A jinja filter that refuses numbers past OUTPUT_CHARS (indent, center, wordwrap, ...)."""
+    import functools
+
+    @functools.wraps(f)  # keeps jinja's pass_context / pass_environment marks
+    def filter_(*args, **kwargs):
+        _check_numbers([a for a in (*args, *kwargs.values()) if isinstance(a, int)])
+        return f(*args, **kwargs)
+    return filter_
+
+
+class Deadline:
+    """RENDER_SECONDS for what runs inside it (SIGALRM, so in the main thread only; elsewhere
+    OUTPUT_CHARS and the bounded operations still hold)."""
+
+    def __enter__(self):
+        self.armed = threading.current_thread() is threading.main_thread()
+        if self.armed:
+            self.previous = signal.signal(signal.SIGALRM, self._expired)
+            signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS)
+
+    def __exit__(self, *_):
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+
+    @staticmethod
+    def _expired(*_):
+        raise RenderLimit(f"rendering took more than {RENDER_SECONDS} s")
 
 
 class ChatTemplate:
@@ -148,10 +224,14 @@ class ChatTemplate:
 
     def _render(self, messages: list, add_generation_prompt: bool, spans: list | None = None) -> str:
         self.env.generation_spans, self.env.rendered_blocks = spans, []
+        size = 0
         try:
             for block in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                                 **self.variables):
                 self.env.rendered_blocks.append(block)
+                size += len(block)
+                if size > OUTPUT_CHARS:
+                    raise RenderLimit(f"the text grew past {OUTPUT_CHARS} characters")
             return "".join(self.env.rendered_blocks)
         finally:
             self.env.generation_spans = self.env.rendered_blocks = None
@@ -160,12 +240,16 @@ class ChatTemplate:
         """The text that asks the model for the next assistant turn (add_generation_prompt)."""
         import jinja2
         try:
-            return self._render(messages, True)
-        except jinja2.TemplateError as e:
+            with Deadline():
+                return self._render(messages, True)
+        except (jinja2.TemplateError, RenderLimit) as e:
             raise self.error(e, where) from None
 
     def error(self, e, where: str) -> ConfigError:
         import jinja2
+        if isinstance(e, RenderLimit):
+            return ConfigError(f"{where}: the chat template ({self.where}) went past its limits ({e}; a conversation "
+                               f"may take {RENDER_SECONDS} s and {OUTPUT_CHARS} characters): fix the template")
         if isinstance(e, jinja2.UndefinedError):
             known = ", ".join(["messages", "add_generation_prompt", *sorted(self.variables)])
             return ConfigError(f"{where}: the chat template ({self.where}) prints a variable that is undefined here "
@@ -177,24 +261,28 @@ class ChatTemplate:
         """(text, character spans of the assistant's turns) of one conversation."""
         import jinja2
         try:
-            if self.tracked:
-                spans: list[tuple[int, int]] = []
-                return self._render(messages, False, spans), spans
-            text = self._render(messages, False)
-            spans = []
-            for i, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                before = self._render(messages[:i], True)
-                through = self._render(messages[:i + 1], False)
-                if not (through.startswith(before) and text.startswith(through)):
-                    raise ConfigError(f"{where}: the chat template does not render the conversation up to message "
-                                      f"{i} as a prefix of the whole, so its assistant tokens are unknown; add "
-                                      "{% generation %} blocks around the assistant's turns to the template")
-                spans.append((len(before), len(through)))
-            return text, spans
-        except jinja2.TemplateError as e:
+            with Deadline():
+                return self._render_spans(messages, where)
+        except (jinja2.TemplateError, RenderLimit) as e:
             raise self.error(e, where) from None
+
+    def _render_spans(self, messages: list, where: str) -> tuple[str, list[tuple[int, int]]]:
+        if self.tracked:
+            spans: list[tuple[int, int]] = []
+            return self._render(messages, False, spans), spans
+        text = self._render(messages, False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._render(messages[:i], True)
+            through = self._render(messages[:i + 1], False)
+            if not (through.startswith(before) and text.startswith(through)):
+                raise ConfigError(f"{where}: the chat template does not render the conversation up to message "
+                                  f"{i} as a prefix of the whole, so its assistant tokens are unknown; add "
+                                  "{% generation %} blocks around the assistant's turns to the template")
+            spans.append((len(before), len(through)))
+        return text, spans
 
 
 def check_messages(row, where: str) -> list[dict]:

@@ -24,7 +24,7 @@ import grain
 import numpy as np
 
 from shardtrain.config import ConfigError, DataConfig, RunConfig
-from shardtrain.data import storage, token_shards
+from shardtrain.data import storage, token_shards, tokenize
 
 DATA_PATH_TO_FILL_IN = "PREPARED_DATA_DIR"
 """data.path of the config import-hf writes: a placeholder the user replaces with a prepared directory."""
@@ -132,6 +132,18 @@ def sources(cfg: RunConfig, split: str = "train") -> list:
     return [source(cfg, split)]
 
 
+def tokenizers(cfg: RunConfig, opened: list) -> list[tuple[str, str]]:
+    """(which data, the fingerprint of its tokenizer) of each opened source: the text source's bytes,
+    each prepared directory's own (where known); synthetic data has none."""
+    if cfg.data.source == "text":
+        return [("data.source=text", tokenize.BYTES)]
+    if not packed(cfg):
+        return []
+    found = [(f"data.path={w.split.directory}", token_shards.tokenizer_fingerprint(w.split.manifest, w.split.directory))
+             for w in opened]
+    return [(where, fp) for where, fp in found if fp]
+
+
 def samples(cfg: RunConfig, opened: list | None = None) -> grain.MapDataset:
     """The infinite training dataset, sample i a function of (seed, i), from `opened` (default:
     `sources(cfg)`). A mixture: each dataset shuffled and repeated on its own, then interleaved
@@ -141,10 +153,10 @@ def samples(cfg: RunConfig, opened: list | None = None) -> grain.MapDataset:
     return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture]) if cfg.data.mixture else parts[0]
 
 
-def eval_samples(cfg: RunConfig) -> grain.MapDataset:
+def eval_samples(cfg: RunConfig, opened: list | None = None) -> grain.MapDataset:
     """The held-out windows in order (repeated if a pass needs more than the split holds); a
-    mixture's eval splits interleaved by the same weights."""
-    parts = [grain.MapDataset.source(s).repeat() for s in sources(cfg, "eval")]
+    mixture's eval splits interleaved by the same weights. `opened`: `sources(cfg, "eval")`."""
+    parts = [grain.MapDataset.source(s).repeat() for s in opened or sources(cfg, "eval")]
     return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture]) if cfg.data.mixture else parts[0]
 
 

@@ -1,8 +1,9 @@
 """`shardtrain prepare`: text, JSONL or Parquet -> token shards that training reads by range.
 
 Layout of the output directory DIR:
-  manifest.json              tokenizer, vocab_size, eos_id, dtype, per split its shards with token and
-                             document counts and sha256 checksums
+  manifest.json              tokenizer and its fingerprint (tokenize.fingerprint), vocab_size, eos_id,
+                             dtype, per split its shards with token and document counts and sha256
+                             checksums
   tokenizer.json             a copy of the tokenizer (absent for the byte-level `bytes` tokenizer), with
                              its tokenizer_config.json when it has one, and with --chat the
                              chat_template.jinja the conversations were rendered with
@@ -355,7 +356,8 @@ def write_manifest(inputs: list[str], opts: Options, parts: list[Part], markers:
         if opts.chat:  # a run on this data knows how its conversations were written
             (out / "chat_template.jinja").write_text(chat.ChatTemplate(tok_dir, tok).source)
     manifest = {"format": FORMAT, "tokenizer": "bytes" if tok.name == "bytes" else "tokenizer.json",
-                "loss_mask": opts.chat, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                "tokenizer_fingerprint": tokenize.fingerprint(tok), "loss_mask": opts.chat,
+                "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                 "dtype": token_dtype(tok.vocab_size).name,
                 "options": {k: v for k, v in asdict(opts).items() if k != "out"}, "splits": {}}
     for split in SPLITS:

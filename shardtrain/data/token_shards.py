@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from shardtrain.config import ConfigError, RunConfig
-from shardtrain.data import storage
+from shardtrain.data import storage, tokenize
 
 
 class EmptySplit(ConfigError):
@@ -65,6 +65,16 @@ def check_vocab(cfg: RunConfig, manifest: dict, directory: str) -> None:
     if cfg.model.vocab_size < n:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {n} tokens "
                           f"({directory}/manifest.json); set model.vocab_size={n} or more")
+
+
+def tokenizer_fingerprint(manifest: dict, directory: str) -> str | None:
+    """The fingerprint (tokenize.fingerprint) of the tokenizer a prepared directory was made with: its
+    manifest's, else (an older prepare) `bytes` or its local tokenizer.json's; None if unknown."""
+    if manifest.get("tokenizer_fingerprint"):
+        return manifest["tokenizer_fingerprint"]
+    if manifest.get("tokenizer") == "bytes":
+        return tokenize.BYTES
+    return None if storage.is_url(directory) else tokenize.fingerprint_of(Path(directory))
 
 
 class TokenFile:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import importlib
+import json
 import re
 import shutil
 from pathlib import Path
@@ -168,6 +170,30 @@ class HfTokenizer:
             self.tok.save(str(path))
         else:
             shutil.copyfile(self.path, path)
+
+
+BYTES = "bytes"
+"""The fingerprint of the byte-level tokenizer (and of data.source=text)."""
+
+
+def fingerprint(tok: ByteTokenizer | HfTokenizer) -> str:
+    """What identifies a tokenizer, whatever file it came in: `bytes`, or its size and the sha256 of
+    its vocabulary (token -> id, added tokens included) and which ids are special, e.g. `320 tokens,
+    sha256 1f0c2a9e5d3b7a61` (what a prepare manifest, a run's data.tokenizer and import-hf record)."""
+    if isinstance(tok, ByteTokenizer):
+        return BYTES
+    vocab = sorted((i, t) for t, i in tok.tok.get_vocab(with_added_tokens=True).items())
+    special = sorted(i for i, t in tok.tok.get_added_tokens_decoder().items() if t.special)
+    sha = hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()
+    return f"{tok.vocab_size} tokens, sha256 {sha[:16]}"
+
+
+def fingerprint_of(directory: Path) -> str | None:
+    """The fingerprint of the tokenizer a directory holds (None: none, or one that does not load here)."""
+    try:
+        return fingerprint(HfTokenizer(tokenizer_file(str(directory)), require_eos=False))
+    except ConfigError:
+        return None
 
 
 def tokenizer_file(spec: str) -> Path:

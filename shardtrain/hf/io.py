@@ -40,20 +40,45 @@ def read_config(hf_dir: str | Path) -> dict:
 
 
 def safetensors_files(hf_dir: str | Path) -> list[Path]:
-    """The weight files, from the index when there is one; a missing shard is an error here."""
+    """The weight files, from the index when there is one, each inside the directory (`inside`); a
+    missing shard is an error here."""
     d = Path(hf_dir)
     if (d / INDEX).is_file():
-        names = sorted(set(json.loads((d / INDEX).read_text())["weight_map"].values()))
-        missing = [n for n in names if not (d / n).is_file()]
+        try:
+            weight_map = json.loads((d / INDEX).read_text()).get("weight_map")
+        except (ValueError, AttributeError):
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ConfigError(f"{d / INDEX}: not a JSON object with a weight_map of tensor -> file name; "
+                              "the index is damaged")
+        names = sorted(set(weight_map.values()))
+        files = [inside(d, n, f"{d / INDEX} names weight file") for n in names]
+        missing = [n for n, f in zip(names, files) if not f.is_file()]
         if missing:
             raise ConfigError(f"{d / INDEX} lists {len(names)} shards but {', '.join(missing)} "
                               f"{'is' if len(missing) == 1 else 'are'} missing from {d}")
-        return [d / n for n in names]
+        return files
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{d}: no *.safetensors weights (only safetensors checkpoints are read; "
                           "convert .bin files with transformers' save_pretrained(safe_serialization=True))")
-    return files
+    return [inside(d, f.name, "weight file") for f in files]
+
+
+def inside(d: Path, name: str, what: str) -> Path:
+    """d / name, refused (ConfigError naming it) unless it stays inside the model directory `d`: no
+    absolute path, no `..`, no symlink out of it, except a Hugging Face hub cache snapshot's links
+    into its own repository's blobs/ (snapshots/REV/FILE -> ../../blobs/HASH)."""
+    p = Path(name)
+    if p.is_absolute() or ".." in p.parts or not name.strip():
+        raise ConfigError(f"{what} '{name[:200]}', which is not a plain path inside {d}; a model directory's "
+                          "weights must be its own files (the index is damaged or hostile)")
+    real, home = (d / p).resolve(), d.resolve()
+    hub_blobs = home.parent.parent / "blobs" if home.parent.name == "snapshots" else None
+    if not (real.is_relative_to(home) or (hub_blobs is not None and real.is_relative_to(hub_blobs))):
+        raise ConfigError(f"{what} '{name[:200]}', a link out of {d} (to {str(real)[:200]}); a model directory's "
+                          "weights must be its own files: copy them in")
+    return d / p
 
 
 # ----------------------------------------------------------------------------- read

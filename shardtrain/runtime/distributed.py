@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import sys
 import time
 import traceback
@@ -184,6 +185,19 @@ def wait_for_peers(key: str, timeout_s: float) -> None:
         ocp.multihost.get_barrier_sync_fn()(key=key, timeout_ms=int(timeout_s * 1000))
 
 
+def check_port_free(address: str, source: str) -> None:
+    """Process 0 hosts the coordination service at `address`: a port already in use there (another
+    job's coordinator) is one line here, not a SIGSEGV inside jax.distributed.initialize."""
+    port = int(address.rpartition(":")[2])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no user
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise ConfigError(f"coordinator port {port} ({address}, from {source}) is already in use on this host "
+                              f"({e.strerror}): another job's coordinator? give this job a free port") from None
+
+
 def initialize(env: Mapping[str, str] = os.environ) -> Cluster:
     """Joins the run described by the environment and says where this process stands in it;
     does nothing for a lone process (LONE)."""
@@ -191,6 +205,8 @@ def initialize(env: Mapping[str, str] = os.environ) -> Cluster:
     p = plan(env)
     if p.kwargs is None:
         return LONE
+    if p.kwargs.get("process_id") == 0 and p.kwargs.get("coordinator_address"):
+        check_port_free(p.kwargs["coordinator_address"], p.source)
     timeout = (_ints(env, "SHARDTRAIN_HEARTBEAT_TIMEOUT") or [100])[0]
     try:
         jax.distributed.initialize(**p.kwargs, heartbeat_timeout_seconds=timeout)

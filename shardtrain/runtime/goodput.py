@@ -13,6 +13,7 @@ wall_s, which is the sum of the starts' spans and those gaps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -24,17 +25,35 @@ CATEGORIES = ("productive_steps", "startup_compile", "checkpoint_restore", "chec
 
 
 class Clock:
-    """Charges the time since the last charge to one category; process 0 writes the records."""
+    """Charges the time since the last charge to one category; process 0 writes the records.
+    Nothing is written before `ready` (the run is past its checks): a command refused before then
+    (`discard`) leaves goodput.jsonl as it was. A write that fails (a full disk) sets `failed`."""
 
     def __init__(self, run_dir: str | Path, started: float, write: bool):
-        self.file = open(Path(run_dir) / FILE, "a") if write else None
+        self.path = Path(run_dir) / FILE if write else None
+        self.file, self.held, self.failed = None, [], None
         self.last, self.pending = time.time(), {}
         self.record({"kind": "start", "t": started})
 
     def record(self, row: dict) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
+        if self.path is None:
+            return
+        if self.file is None:
+            self.held.append(row)
+            return
+        self._write([row])
+
+    def _write(self, rows: list[dict]) -> None:
+        try:
+            self.file = self.file or open(self.path, "a")
+            self.file.write("".join(json.dumps(r) + "\n" for r in rows))
             self.file.flush()
+        except OSError as e:
+            self.failed, self.path = f"cannot write {self.path}: {e.strerror or e}", None
+
+    def discard(self) -> None:
+        """The run was refused before it started: write nothing."""
+        self.path, self.held = None, []
 
     def charge(self, category: str) -> None:
         now = time.time()
@@ -42,9 +61,15 @@ class Clock:
         self.last = now
 
     def ready(self, step: int, restore_s: float) -> None:
-        """Compiled and restored: the steps start at `step`; the charges start now."""
+        """Compiled and restored: the steps start at `step`; the charges start now. Writes the start."""
         self.last, self.pending = time.time(), {}
+        self._commit()
         self.record({"kind": "ready", "t": self.last, "step": step, "restore_s": restore_s})
+
+    def _commit(self) -> None:
+        if self.path is not None and self.held:
+            rows, self.held = self.held, []
+            self._write(rows)
 
     def step(self, step: int) -> None:
         """Step `step` is dispatched: writes what was charged since the previous record."""
@@ -60,8 +85,11 @@ class Clock:
         return out
 
     def close(self) -> None:
+        """A start that failed before `ready` (not refused) is still recorded: its time was lost."""
+        self._commit()
         if self.file is not None:
-            self.file.close()
+            with contextlib.suppress(OSError):
+                self.file.close()
 
 
 CHARGED = ("data_wait", "checkpoint_save", "eval", "other")

@@ -2,8 +2,9 @@
 
 Hang watchdog: a thread of every process watches the time since a step last finished. Past
 max(hang_factor x the median step time, hang_min_s), or startup_s until a start has finished
-its first step (or while a save or an evaluation runs), it writes every thread's
-Python stack to run_dir/hang-process<i>.txt, says so in one line and ends the process with
+its first step (or while a save or an evaluation runs), it writes every thread's Python stack to
+run_dir/hang-process<i>.txt (to stderr when that file cannot be written), says so in one line and
+ends the process with
 EXIT_HUNG, which a supervisor (launch/local.sh --restarts) treats as a failure to restart from.
 A process frozen whole (SIGSTOP, a dead host) cannot do this itself: its peers' watchdogs, or
 JAX's heartbeat, stop them instead.
@@ -71,12 +72,20 @@ class Watchdog:
                 self._leave(waited, limit)
 
     def _leave(self, waited: float, limit: float) -> None:
-        with open(self.path, "w") as f:
-            f.write(f"no step finished for {waited:.0f} s (limit {limit:.0f} s) after step {self.step}\n")
-            f.flush()
-            faulthandler.dump_traceback(f, all_threads=True)
+        """Writes the stacks report, says so and exits; a report that cannot be written (a full
+        disk) goes to stderr instead, and the process exits all the same."""
+        head = f"no step finished for {waited:.0f} s (limit {limit:.0f} s) after step {self.step}\n"
+        try:
+            with open(self.path, "w") as f:
+                f.write(head)
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+            where = f"Python stacks in {self.path}"
+        except OSError as e:
+            where = f"cannot write {self.path} ({e.strerror or e}): Python stacks on stderr above"
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
         print(f"shardtrain[process {self.index}]: hang: no step finished for {waited:.0f} s (limit {limit:.0f} s, "
-              f"last step {self.step}); Python stacks in {self.path}; exiting {EXIT_HUNG}", file=sys.stderr, flush=True)
+              f"last step {self.step}); {where}; exiting {EXIT_HUNG}", file=sys.stderr, flush=True)
         os._exit(EXIT_HUNG)
 
     def close(self) -> None:

@@ -17,7 +17,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import FAST_COMPILE, TINY, cli_env
+from shardtrain import cli
 from shardtrain.checkpoint import listing
+from shardtrain.runtime import faults
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +29,20 @@ BASE = ["meshes/demo.yaml", *TINY, "model.name=mlp", f"train.steps={STEPS}",
         f"optimizer.decay_steps={STEPS}", "checkpoint.every_steps=2"]
 
 
-def start(run_dir, *overrides, devices=8) -> subprocess.Popen:
-    env = cli_env(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}")
-    return subprocess.Popen([sys.executable, "-m", "shardtrain.cli", "train", *BASE, f"run_dir={run_dir}", *overrides],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+CLI_WITH_SIGINT = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "runpy.run_module('shardtrain.cli', run_name='__main__')")
+
+
+def start(run_dir, *overrides, devices=8, env=None, log=None) -> subprocess.Popen:
+    """The run in a subprocess; its output through a pipe, or into the file `log` (to read it while it runs).
+    Its SIGINT is the default one, as in a terminal, even where pytest was started with SIGINT ignored
+    (`pytest &` in a script), which a child would inherit and keep (runtime/preemption.py)."""
+    env = cli_env(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}",
+                  **(env or {}))
+    with open(log or os.devnull, "w") as out:  # the child keeps its own copy
+        return subprocess.Popen([sys.executable, "-c", CLI_WITH_SIGINT, "train", *BASE, f"run_dir={run_dir}",
+                                 *overrides], cwd=ROOT, env=env, stdout=out if log else subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
 
 
 def train(run_dir, *overrides, devices=8) -> str:
@@ -95,7 +107,8 @@ def test_sigterm_exits_75_with_event_and_resumes_bitwise(straight, tmp_path):
     assert p.returncode == 75, out[-3000:]
     stop = max(losses(tmp_path))
     assert 5 <= stop < STEPS
-    assert f"preempted at step {stop}; rerun the same command to resume" in out
+    assert f"preempted at step {stop}: saved checkpoint step {stop}; rerun the same command to resume" in out
+    assert f"preempted: step {stop}, loss" in out and "done:" not in out  # the end line says how it ended
     assert [r["step"] for r in rows(tmp_path) if r.get("event") == "preempted"] == [stop]
     assert newest_committed(tmp_path) == stop
 
@@ -104,6 +117,60 @@ def test_sigterm_exits_75_with_event_and_resumes_bitwise(straight, tmp_path):
     assert losses(tmp_path) == losses(straight)  # every step, bitwise
     for a, b in zip(saved(tmp_path, STEPS)[0], saved(straight, STEPS)[0], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_ctrl_c_saves_at_the_step_said_exits_75_without_a_traceback_and_resumes_bitwise(straight, tmp_path):
+    p = start(tmp_path)
+    assert wait_for(lambda: len(losses(tmp_path)) >= 5, p)
+    p.send_signal(signal.SIGINT)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 75 and "Traceback" not in out, out[-3000:]
+    stop = max(losses(tmp_path))
+    assert f"preempted at step {stop}: saved checkpoint step {stop}" in out and newest_committed(tmp_path) == stop
+    out = train(tmp_path)
+    assert f"resuming from checkpoint step {stop} " in out
+    assert losses(tmp_path) == losses(straight)
+
+
+def test_a_second_trainer_on_a_run_dir_exits_2_at_once_and_changes_nothing(straight, tmp_path, capsys):
+    """The first trains past the schedule's end (train.steps far away; optimizer.decay_steps fixes
+    the schedule); the second, started while it runs, is refused in one line naming its pid."""
+    p = start(tmp_path, "train.steps=100000")
+    assert wait_for(lambda: len(losses(tmp_path)) >= STEPS, p)
+    before = {f: (tmp_path / f).read_bytes() for f in ("goodput.jsonl", "config.yaml")}
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", str(ROOT / BASE[0]), *BASE[1:], f"run_dir={tmp_path}", "train.steps=100000"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and time.monotonic() - t0 < 10, err
+    assert f"is being trained by pid {p.pid} on host" in err and len(err.strip().splitlines()) == 1
+    assert p.poll() is None and all((tmp_path / f).read_bytes().startswith(b) for f, b in before.items())
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 75, out[-3000:]
+    got = losses(tmp_path)
+    assert {s: got[s] for s in range(1, STEPS + 1)} == losses(straight)  # each step once, exact
+
+
+def test_a_second_ctrl_c_exits_at_once_and_a_signal_before_the_first_step_says_nothing_was_trained(tmp_path):
+    p = start(tmp_path, env={faults.VARIABLE: "hang@3"})  # step 3 never returns
+    assert wait_for(lambda: len(losses(tmp_path)) >= 2, p)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out = p.communicate(timeout=30)[0]
+    assert p.returncode == 130 and time.monotonic() - t0 < 10 and "Traceback" not in out, out[-3000:]
+    assert "Ctrl-C (SIGINT) again: stopping now" in out
+
+    log = tmp_path / "first.log"
+    p = start(tmp_path / "first", env={faults.VARIABLE: "hang@1"}, log=log)  # the first step never returns
+    assert wait_for(lambda: "compiling..." in log.read_text(), p, poll=0.05)  # compiling, or in step 1
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=30)
+    out = log.read_text()
+    assert p.returncode == 75 and "SIGTERM before the first step of this start finished: nothing was trained" in out
+    assert losses(tmp_path / "first") == {} and "Traceback" not in out
 
 
 def test_elastic_resume_onto_another_mesh_and_fewer_devices(straight, tmp_path):

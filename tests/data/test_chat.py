@@ -263,3 +263,30 @@ def test_example_template_turns_a_base_model_into_a_chat_model(tmp_path, chat_da
     replies = [m["content"] for m in CONVERSATIONS[1] if m["role"] == "assistant"]
     assert text.startswith("<bos>User: ") and [text[lo:hi] for lo, hi in spans] == [f" {r}<eos>\n" for r in replies]
     assert template.prompt(CONVERSATIONS[1][:1]).endswith("\nAssistant:")
+
+
+@pytest.mark.parametrize("template, limit", [
+    ("{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+     "{{ m['content'] }}{% endfor %}", "rendering took more than 1 s"),
+    ("{{ 'x' * 10**10 }}", "a sequence of 1 x 10000000000 items"),
+    ("{{ 'x'.center(10**10) }}", "a count or width of 10000000000"),
+    ("{{ 'x' | indent(10**10) }}", "a count or width of 10000000000"),
+    ("{{ '%10000000000s' % 1 }}", "a count or width of 10000000000"),
+    ("{{ '{:>10000000000}'.format(1) }}", "a count or width of 10000000000"),
+    ("{{ 7 ** (10**9) }}", "7 ** 1000000000 has more than"),
+    ("{% for i in range(100000) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "the text grew past 8388608 characters"),
+])
+def test_a_runaway_template_is_one_line_naming_it_and_the_limit(capsys, tmp_path, chat_data, monkeypatch,
+                                                               template, limit):
+    """A template renders a conversation under chat.RENDER_SECONDS (here 1 s) and OUTPUT_CHARS, and
+    the bounded sandbox refuses a string or number past OUTPUT_CHARS before allocating it."""
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 1)
+    root, dirs = chat_data
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text((dirs["plain"][0] / "tokenizer.json").read_text())
+    (bad / "chat_template.jinja").write_text(template)
+    code, err = run_cli(capsys, "prepare", str(root / "chat.jsonl"), "--tokenizer", str(bad), "--out",
+                        str(tmp_path / "out"), "--chat", "--workers", "1")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"chat.jsonl:1: the chat template ({bad / 'chat_template.jinja'}) went past its limits ({limit}" in err, err

@@ -17,6 +17,7 @@ the same with a full query projection (q_lora_rank null, DeepSeek-V2-Lite's).
 
 import dataclasses
 import json
+import struct
 from pathlib import Path
 
 import jax
@@ -45,3 +46,15 @@ def our_logits(source, tokens_bt, mesh_overrides, devices=None, run_dir="/tmp/un
     params = source.params(layout.params, cfg.model)
     out = jax.jit(lambda p, t: nnx.merge(layout.graphdef, p)(t))(params, tokens_bt)
     return np.asarray(out[0] if isinstance(out, tuple) else out)  # an MoE model: (logits, aux losses)
+
+
+def rewrite_header(path: Path, edit=None, length: int | None = None) -> None:
+    """The safetensors file at `path` with its header edited in place (`edit(header)`) or its length
+    field replaced by `length`."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    if edit:
+        edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + raw[8 + n:])

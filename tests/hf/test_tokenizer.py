@@ -3,6 +3,7 @@ prepared tokens generates and exports with the tokenizer and EOS of its data, an
 carries EOS where transformers reads it, through import-hf and back (issue 25)."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +70,52 @@ def test_a_run_without_tokenizer_files_says_so(tmp_path, source, tokenizer, mess
     found = hf_tokenizer.find([tmp_path], {"data": {"source": source}})
     assert isinstance(found.load(), tokenizer) and found.eos_ids == ()
     assert hf_tokenizer.write(tmp_path, found).startswith(message)
+
+
+def test_the_models_tokenizer_and_the_datas_are_the_same_or_the_run_stops(tmp_path, capsys):
+    """Issue 38. An imported BPE model (import-hf records its tokenizer's fingerprint as data.tokenizer,
+    in config.yaml and checkpoint meta) refuses in one line, before anything trains, data.source=text
+    and data prepared with `bytes`, naming both tokenizers and the fix; data prepared with its own
+    tokenizer trains and the run records it; a resumed run and a mixture are held to one tokenizer;
+    data.allow_tokenizer_mismatch=true is the way to do it on purpose."""
+    from hf_reference import FIXTURES
+
+    from shardtrain import cli
+    from shardtrain.checkpoint import listing
+    from shardtrain.data import prepare
+    imp, text = tmp_path / "imp", str(Path(weights.__file__).parent / "*.py")
+    weights.import_hf(str(FIXTURES / "qwen2"), str(imp), say=lambda _: None)
+    fp = tokenize.fingerprint_of(FIXTURES / "qwen2")
+    assert fp.startswith("320 tokens, sha256 ") and fp == tokenize.fingerprint_of(imp)
+    assert config.load(str(imp / "config.yaml")).data.tokenizer == fp
+    assert listing.read_meta(imp / "checkpoints" / "0")["config"]["data"]["tokenizer"] == fp
+    for spec, out in (("bytes", "bytes"), (str(imp), "own")):
+        prepare.prepare([text], prepare.Options(spec, str(tmp_path / out)), workers=1, say=lambda _: None)
+    assert json.loads((tmp_path / "own" / "manifest.json").read_text())["tokenizer_fingerprint"] == fp
+    train = ["train", str(imp / "config.yaml"), "data.seq_len=16", "train.global_batch_size=8", "train.steps=2",
+             "optimizer.warmup_steps=1", "train.compile_cache=false"]
+    whose = f"the model of checkpoint.init_from={imp} reads another tokenizer ({fp})"
+    for data, says in [(["data.source=text", f"data.path={text}"], f"data.source=text feeds UTF-8 bytes as token "
+                                                                    f"ids, but {whose}"),
+                       ([f"data.path={tmp_path / 'bytes'}"], f"was made by the tokenizer bytes, but {whose}")]:
+        with pytest.raises(SystemExit) as e:
+            cli.main([*train, *data, f"run_dir={tmp_path / 'refused'}"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and f"--tokenizer {imp} " in err, err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / "refused" / "metrics.jsonl").exists()
+    with pytest.raises(SystemExit) as e:
+        cli.main([*train, f"data.path={tmp_path / 'own'}", f"run_dir={tmp_path / 'run'}"])
+    assert e.value.code == 0 and config.load(str(tmp_path / "run" / "config.yaml")).data.tokenizer == fp
+
+    def check(*overrides):
+        cfg = config.load(None, ["data.source=tokens", "model.vocab_size=320", f"run_dir={tmp_path / 'new'}",
+                                 *overrides])
+        return weights.check_tokenizer(cfg, loader.sources(cfg))
+    with pytest.raises(ConfigError, match=r"was made by the tokenizer bytes, but the model of this run's checkpoint "
+                                          rf"step 2 reads another tokenizer \({fp}\).*--tokenizer {imp} "):
+        check(f"run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'bytes'}")  # a resume on other data
+    with pytest.raises(ConfigError, match="data.mixture: the datasets come from different tokenizers"):
+        check(f"data.mixture=[{{path: {tmp_path / 'bytes'}}}, {{path: {tmp_path / 'own'}}}]")
+    allowed = check(f"checkpoint.init_from={imp}", f"data.path={tmp_path / 'bytes'}",
+                    "data.allow_tokenizer_mismatch=true")
+    assert allowed.data.tokenizer == "bytes"

@@ -2,6 +2,7 @@
 process of a run of several reports an error and leaves (in a subprocess: it ends with os._exit)."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,13 @@ print("not reached")
     assert r.returncode == want_code and want_text in r.stderr, r.stderr
     assert "not reached" not in r.stdout
     assert ("Traceback" in r.stderr) == (want_code != 2), r.stderr  # a config mistake is one line
+
+
+def test_a_coordinator_port_in_use_is_one_line_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"coordinator port {port} .*is already in use on this host"):
+            distributed.initialize({"SHARDTRAIN_COORDINATOR": f"127.0.0.1:{port}", "SHARDTRAIN_NUM_PROCESSES": "2",
+                                    "SHARDTRAIN_PROCESS_ID": "0"})

@@ -325,6 +325,29 @@ def test_documented_command_runs(c, tmp_path):
         assert listing.returncode == 0 and "committed" in listing.stdout, listing.stderr
 
 
+OWN_SOURCE = [c for c in COMMANDS if c.doc == "README.md" and ("what `make train` runs" in c.comment or
+                                                             "data.path=runs/own-source " in c.text or
+                                                             "--out runs/own-source " in c.text)]
+"""`make train`'s command, then README's "own source" prepare and train commands, in the README's order."""
+SMALL = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "data.seq_len=32", "train.global_batch_size=8",
+         "train.eval_steps=2"]
+
+
+@pytest.mark.slow
+def test_own_source_commands_run_as_pasted_right_after_make_train(tmp_path):
+    """Commands that share a checkout's relative paths run in the README's order, in one mirror: the
+    own-source training used to default to make train's runs/demo (`nothing to do`, and with more
+    train.steps a model of another vocabulary size). Small model and 2 steps: the order is the test."""
+    assert [kind(c) for c in OWN_SOURCE] == ["shardtrain train", "shardtrain prepare", "not run here"], OWN_SOURCE
+    root = mirror(tmp_path)
+    for c in OWN_SOURCE:
+        r = run(c, [*FAST_TRAIN, *SMALL] if c.argv[1] == "train" else [], cwd=root)
+        expect(c, r)
+        assert "nothing to do" not in r.stdout and "resuming" not in r.stdout, r.stdout
+    assert (root / "runs" / "demo" / "checkpoints" / "2").is_dir()
+    assert (root / "runs" / "own-source-run" / "checkpoints" / "2").is_dir()
+
+
 def test_bench_overhead_help_is_argparse():
     r = subprocess.run([sys.executable, "bench/overhead.py", "--help"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)

@@ -3,6 +3,7 @@
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -182,3 +183,16 @@ def test_gke_image_instructions_install_the_gcs_extra_at_pyprojects_jax():
     """The JobSets checkpoint to gs://: the image they describe must have gcsfs (the gcs extra)."""
     for text in ((REPO / "launch/gke_jobset.yaml").read_text(), (REPO / "launch/README.md").read_text()):
         assert re.search(r"pip install [-a-z ]*-e '\.\[gcs\]' 'jax\[tpu\]==" + re.escape(JAX_VERSION) + "'", text)
+
+
+def test_local_sh_refuses_a_port_another_job_holds():
+    """A second job on the first one's port would hand its processes to that job's coordinator."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run("launch/local.sh", "2", "meshes/demo.yaml", env={**os.environ, "SHARDTRAIN_PORT": str(port),
+                                                                 "SHARDTRAIN_CMD": "false"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"local.sh: coordinator port {port} (SHARDTRAIN_PORT) is already in use on this host: another job? give this "
+        f"one a free port"]

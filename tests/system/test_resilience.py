@@ -2,6 +2,7 @@
 non-finite steps (stop | skip, exact), the local tier's fallback from a damaged copy, the hang
 watchdog, stragglers, the goodput report, and the bad inputs that stop before any work."""
 
+import errno
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import conftest
-from shardtrain import cli, config
+from shardtrain import cli, config, loop, metrics
 from shardtrain.checkpoint import local
 from shardtrain.runtime import faults, goodput, health
 
@@ -57,6 +58,45 @@ def test_nonfinite_skip_leaves_the_state_bit_identical_and_goes_on(tmp_path, mon
     assert all(np.array_equal(a, b) for a, b in zip(trained(s2), trained(s3)))  # step 3 changed nothing
     assert not all(np.array_equal(a, b) for a, b in zip(trained(s3), trained(s4)))  # step 4 trained
     assert all(np.isfinite(x).all() for x in trained(s4))
+
+
+def test_nonfinite_skip_stops_at_the_limit_and_counts_the_skips(tmp_path, monkeypatch, capsys):
+    """A run that diverges (every step non-finite once the parameters blew up) is stopped, not skipped through."""
+    code, out, run_dir = train(tmp_path, monkeypatch, capsys, "", "train.steps=30", "train.on_nonfinite=skip",
+                               "optimizer.learning_rate=1e30")
+    assert code == loop.EXIT_NONFINITE and "Traceback" not in out, out
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert [r["skipped_total"] for r in rows if r.get("event") == "nonfinite"] == list(range(1, loop.SKIP_LIMIT))
+    assert (f"the {loop.SKIP_LIMIT}th skipped in the last {loop.SKIP_WINDOW} steps: train.on_nonfinite=skip stops "
+            f"there; {loop.SKIP_LIMIT} skipped in this start") in out.strip().splitlines()[-1]
+
+
+def test_a_config_error_before_the_first_step_leaves_the_run_dir_as_it_was(tmp_path, monkeypatch, capsys):
+    code, out, run_dir = train(tmp_path, monkeypatch, capsys, "", "train.steps=2")
+    assert code == 0, out
+    files = ("goodput.jsonl", "metrics.jsonl", "config.yaml")
+    before = {f: (run_dir / f).read_bytes() for f in files}
+
+    def refuse(*_):
+        raise config.ConfigError("refused by the test")
+    monkeypatch.setattr(loop, "_start", refuse)  # the last thing _train does before the first step
+    code, out, _ = train(tmp_path, monkeypatch, capsys, "", "train.steps=4")
+    assert code == 2 and out.strip().splitlines()[-1] == "shardtrain: error: refused by the test"
+    assert {f: (run_dir / f).read_bytes() for f in files} == before
+
+
+def test_a_full_disk_under_the_run_dir_stops_the_run_with_a_checkpoint_and_one_line(tmp_path, monkeypatch, capsys):
+    """TensorBoard's file fails at step 3 (ENOSPC): the run saves step 3 and exits 1 (it hung for good before)."""
+    def full(self, tag, value, step):
+        if step >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(metrics.Board, "add_scalar", full)
+    code, out, run_dir = train(tmp_path, monkeypatch, capsys, "", "train.steps=20", "checkpoint.every_steps=100")
+    assert code == 1 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1] == (f"shardtrain: error: cannot write {run_dir / 'tensorboard'}: No space left "
+                                            f"on device; stopped at step 4 and saved checkpoint step 4; make room and "
+                                            f"rerun the same command to resume")
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()] == ["4"]
 
 
 class Persistent:
@@ -110,6 +150,24 @@ def test_goodput_report_adds_up_and_counts_redone_steps_and_the_restart_gap(tmp_
     assert "goodput 0.125" in goodput.table(rep)
 
 
+def test_the_goodput_clock_writes_nothing_before_ready_and_nothing_at_all_when_refused(tmp_path):
+    path = tmp_path / goodput.FILE
+    refused = goodput.Clock(tmp_path, 1.0, write=True)
+    refused.discard()
+    refused.close()
+    assert not path.exists()
+    crashed = goodput.Clock(tmp_path, 2.0, write=True)  # failed while compiling: its time was lost, and is counted
+    assert not path.exists()
+    crashed.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"kind": "start", "t": 2.0}]
+    (tmp_path / "full" / goodput.FILE).mkdir(parents=True)  # open() fails as on a full disk
+    full = goodput.Clock(tmp_path / "full", 3.0, write=True)
+    full.ready(0, 0.0)
+    assert full.failed == f"cannot write {tmp_path / 'full' / goodput.FILE}: Is a directory"
+    full.step(1)  # later records are dropped, not raised
+    full.close()
+
+
 def test_stragglers_are_named_after_consecutive_slow_log_steps():
     cfg = config.WatchdogConfig(straggler_factor=1.5, straggler_logs=2)
     s = health.Stragglers(cfg, 3)
@@ -135,6 +193,15 @@ def test_the_hang_watchdog_writes_the_stacks_and_exits_70(tmp_path):
     assert f"hang-process3.txt; exiting {health.EXIT_HUNG}" in r.stderr and len(r.stderr.splitlines()) == 1
     assert "time.sleep(30)" in (tmp_path / "hang-process3.txt").read_text() or \
         "<string>" in (tmp_path / "hang-process3.txt").read_text()
+
+
+def test_the_watchdog_exits_70_when_its_report_cannot_be_written(tmp_path):
+    (tmp_path / "hang-process3.txt").mkdir()  # open(..., "w") fails as on a full disk
+    r = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == health.EXIT_HUNG, r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        f"cannot write {tmp_path / 'hang-process3.txt'} (Is a directory): Python stacks on stderr above; exiting 70")
 
 
 @pytest.mark.parametrize("overrides,message", [
