@@ -54,7 +54,10 @@ ROWS = {
 
 def run_maxtext(row: Row, out: str) -> dict:
     """MaxText's compiled step: its memory, its cost, its HLO text and the command's wall time."""
-    python = subprocess.run([os.path.join(TOOLS, "maxtext-peer")], capture_output=True, text=True, check=True)
+    import jax  # the peer on our own interpreter and jax, so that one libtpu compiles both programs
+    same = {"MAXTEXT_PYTHON": sys._base_executable, "MAXTEXT_JAX": jax.__version__}
+    python = subprocess.run([os.path.join(TOOLS, "maxtext-peer")], capture_output=True, text=True, check=True,
+                            env={**os.environ, **same})
     python = python.stdout.strip().splitlines()[-1]
     site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
                           capture_output=True, text=True, check=True).stdout.strip()

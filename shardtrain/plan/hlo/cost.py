@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardtrain.plan.hlo.parse import Instr, Module, as_module, callees, dims, fusion_callee, multipliers, root, size
 
 _NO_MEMORY = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-              "after-all", "partition-id", "replica-id"}
+              "after-all", "partition-id", "replica-id", "fusion-done"}  # an async fusion: counted at its start
 _SLICES = ("slice", "dynamic-slice")
 _ARRAY_TYPE = re.compile(r"\(?([a-z]+\d*(?:e\d+m\d+\w*)?)\[")
 _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare", "select",
@@ -101,7 +101,8 @@ def loop_bodies(program: str | Module) -> dict[str, LoopBody]:
 
 def _fused(module: Module) -> set[str]:
     """The computations that fusion instructions call (they work in registers: no memory traffic)."""
-    return {fusion_callee(ins) for comp in module.computations.values() for ins in comp if ins.opcode == "fusion"}
+    return {fusion_callee(ins) for comp in module.computations.values() for ins in comp
+            if ins.opcode in ("fusion", "fusion-start")}
 
 
 def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, float]:
@@ -109,6 +110,8 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
     shapes = {i.name: i.shape for i in comp}
     flops = nbytes = 0.0
     for ins in comp:
+        if ins.opcode == "fusion-start":  # XLA:GPU's async fusion: ((operands), result, context) -> the fusion
+            ins = replace(ins, opcode="fusion", shape=_tuple_elements(ins.shape)[1])
         if ins.opcode in ("dot", "convolution", "custom-call"):
             flops += _declared_flops(ins) or _matmul_flops(ins, shapes)
         elif ins.opcode in _ELEMENTWISE:
@@ -179,6 +182,17 @@ def _matmul_flops(ins: Instr, shapes: dict[str, str]) -> float:
     lhs = dims(shapes.get(operands[0], ""))
     k = math.prod(lhs[int(d)] for d in contracting if d) if lhs else 0
     return 2.0 * math.prod(dims(ins.shape)) * k
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape: "((a, b), c[1,2]{1,0}, u32[])" -> ["(a, b)", "c[1,2]{1,0}", "u32[]"]."""
+    out, depth, start, inner = [], 0, 0, shape.strip()[1:-1]
+    for i, ch in enumerate(inner):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            out.append(inner[start:i].strip())
+            start = i + 1
+    return [*out, inner[start:].strip()]
 
 
 def _fusion_bytes(ins: Instr, shapes: dict[str, str], body: list[Instr]) -> float:
