@@ -132,15 +132,24 @@ def table(records: dict[str, dict], configs: list[str]) -> str:
     return "\n".join(head + [row(c, records[c]) for c in configs])
 
 
+def _region(readme: str) -> tuple[int, int]:
+    """Where the table lies in README text: between the end of BEGIN and the start of END."""
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md lacks the table's markers, one line each, in this order:\n{BEGIN}\n{END}")
+    return start + len(BEGIN), end
+
+
 def with_table(readme: str, text: str) -> str:
     """README text with the region between the markers replaced by `text`."""
-    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+    start, end = _region(readme)
     return readme[:start] + "\n" + text + "\n" + readme[end:]
 
 
 def readme_table(readme: str) -> str:
     """The table between the markers of README text."""
-    return readme[readme.index(BEGIN) + len(BEGIN):readme.index(END)].strip("\n")
+    start, end = _region(readme)
+    return readme[start:end].strip("\n")
 
 
 def main() -> None:
