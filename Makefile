@@ -1,4 +1,4 @@
-# make train: create .venv (with the test extra: about 2 GB), install, run the default training. make test: the whole
+# make train: create .venv (with the test extra: about 7 GB, most of it the CUDA plugin), install, run the default training. make test: the whole
 # suite. make lint: ruff. Users install with `pip install .` instead (README, Quick start).
 # PY: the Python that makes .venv, 3.12 or newer (jax >= 0.11 needs it). Found by itself: python3, python3.12,
 # python3.13, then pyenv's installed versions; `make PY=/path/to/python3.12 train` names one.

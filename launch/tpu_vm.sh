@@ -75,8 +75,8 @@ settings() {
 }
 needs_gcs=$(settings "$@" | awk '/=/ { value[substr($0, 1, index($0, "=") - 1)] = substr($0, index($0, "=") + 1) }
   END { for (k in value) if (value[k] ~ /gs:\/\//) gcs = 1; print gcs + 0 }')
-jax_version=$(sed -n 's/^[[:space:]]*"jax>=\([0-9][0-9.]*\)".*/\1/p' "$here/pyproject.toml")
-[ -n "$jax_version" ] || { echo "no jax>=VERSION line in $here/pyproject.toml" >&2; exit 2; }
+jax_version=$(sed -n 's/^[[:space:]]*"jax[>=]=\([0-9][0-9.]*\)".*/\1/p' "$here/pyproject.toml")
+[ -n "$jax_version" ] || { echo "no jax==VERSION line in $here/pyproject.toml" >&2; exit 2; }
 project_spec=.
 ((needs_gcs)) && project_spec="'.[gcs]'"
 

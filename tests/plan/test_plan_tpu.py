@@ -306,3 +306,14 @@ def test_tpu7x_plans_two_devices_per_chip_each_with_half_of_it():
     assert r["fsdp"]["compiler"] == "tpu" and r["fsdp"]["devices"] == 8
     assert r["fsdp"]["memory_limit_bytes"] == 96 * 2 ** 30 and "4 chips (8 devices)" in r["fsdp"]["topology"]
     assert planner.per_device(chip, 8).peak_flops == chip.peak_flops / 2
+
+
+def test_a_pipeline_of_splash_attention_layers_compiles_for_the_tpu():
+    """Splash's Pallas kernel inside the pipeline's shard_map: its cotangents carry no `pipeline`
+    variance (jax 0.12), which shard_map's type check refused (every pipeline row of `plan --search` on a TPU)."""
+    cfg = config.load(None, ["model.name=gpt", "model.n_layers=2", "model.d_model=256", "model.d_ff=512",
+                             "model.n_heads=2", "model.n_kv_heads=2", "model.vocab_size=512", "model.attention=splash",
+                             "data.seq_len=128", "train.global_batch_size=8", "data.source=synthetic", *HARDWARE,
+                             "mesh.data=2", "mesh.pipeline=2", "mesh.fsdp=1", "mesh.tensor=1"])
+    r = planner.plan_one(cfg, list(topology.devices(chips.CHIPS["v5e"], "2x2")), chips.CHIPS["v5e"])
+    assert r["compiler"] == "tpu" and "pipeline" in r["collectives"]["collective-permute"]["axes"]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-JAX_VERSION = re.search(r'"jax>=([0-9.]+)"', (REPO / "pyproject.toml").read_text())[1]
+JAX_VERSION = re.search(r'"jax[>=]=([0-9.]+)"', (REPO / "pyproject.toml").read_text())[1]
 SCRIPTS = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch").iterdir() if p.suffix in (".sh", ".sbatch"))
 
 
