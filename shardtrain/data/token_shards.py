@@ -38,6 +38,10 @@ class EmptySplit(ConfigError):
     """A split asked for holds no documents."""
 
 
+TOKEN_DTYPES = ("uint16", "uint32")
+"""What `shardtrain prepare` stores token ids as (data/prepare.py token_dtype)."""
+
+
 def read_manifest(directory: str) -> dict:
     if not storage.is_url(directory) and Path(directory).is_file():
         raise ConfigError(f"data.path={directory} is a file; data.source=tokens reads a `shardtrain prepare` output "
@@ -53,10 +57,16 @@ def read_manifest(directory: str) -> dict:
         raise ConfigError(f"data.path={directory}: no manifest.json there; write one with "
                           f"`shardtrain prepare INPUT... --tokenizer TOK --out {directory}`")
     try:
-        return json.loads(text)
+        manifest = json.loads(text)
     except ValueError:
         raise ConfigError(f"{store.name('manifest.json')}: not valid JSON; rerun `shardtrain prepare` "
                           f"into {directory}") from None
+    dtype, vocab = manifest.get("dtype"), manifest.get("vocab_size")
+    if dtype not in TOKEN_DTYPES or not isinstance(vocab, int) or vocab - 1 > np.iinfo(dtype).max:
+        raise ConfigError(f"{store.name('manifest.json')}: dtype {str(dtype)[:40]!r} cannot hold the ids of a "
+                          f"{str(vocab)[:40]}-token vocabulary (prepare writes {' or '.join(TOKEN_DTYPES)}); rerun "
+                          f"`shardtrain prepare` into {directory}")
+    return manifest
 
 
 def check_vocab(cfg: RunConfig, manifest: dict, directory: str) -> None:

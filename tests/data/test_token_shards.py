@@ -132,6 +132,11 @@ def test_streaming_errors_name_the_shard(prepared, cfg_factory, tmp_path, gcs, w
     shard.unlink()
     with pytest.raises(ConfigError, match=f"{name}: shard listed in manifest.json is missing"):
         token_shards.windows(cfg_for(cfg_factory, where), "train")
+    manifest = json.loads((ds / "manifest.json").read_text())
+    for dtype in ("float16", "uint8"):  # the same bytes read as floats (ids 0 .. 300 are ~0.0), or too narrow
+        (ds / "manifest.json").write_text(json.dumps({**manifest, "dtype": dtype}))
+        with pytest.raises(ConfigError, match=f"manifest.json: dtype '{dtype}' cannot hold the ids of a 300-token"):
+            token_shards.windows(cfg_for(cfg_factory, where), "train")
     (ds / "manifest.json").unlink()
     with pytest.raises(ConfigError, match=f"data.path={where}: no manifest.json there"):
         token_shards.windows(cfg_for(cfg_factory, where), "train")
