@@ -128,8 +128,9 @@ LOW_PRECISION_FLOPS = {
     "a100": {"int8": 624e12}, "h100": {"int8": 1979e12, "fp8": 1979e12}, "h200": {"int8": 1979e12, "fp8": 1979e12},
 }
 """Dense peak operations/s per chip of int8 and fp8 matmuls (vendor spec sheets as above: v5e 394,
-v5p 918, v6e 1836 int8 TOPS; TPU7x 4614 fp8 TFLOP/s (its page lists no int8 rate); A100 624 int8 TOPS; H100 / H200 SXM 1979 fp8 TFLOP/s and int8 TOPS,
-without sparsity). A type a chip does not list runs at its bf16 peak."""
+v5p 918, v6e 1836 int8 TOPS; TPU7x 4614 fp8 TFLOP/s (its page lists no int8 rate); A100 624 int8 TOPS;
+H100 / H200 SXM 1979 fp8 TFLOP/s and int8 TOPS, without sparsity). A type a chip does not list runs at
+its bf16 peak."""
 
 
 def operand_kind(dtype: str) -> str:

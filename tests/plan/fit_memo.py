@@ -2,6 +2,7 @@
 takes minutes on CI's 2 cores, and the same program, compilers, flags and planner give the same
 figures, so they are recorded in tests/golden/compiled_fits.json under a hash of all of those."""
 
+import ast
 import hashlib
 import importlib.metadata
 import json
@@ -15,11 +16,23 @@ from shardtrain.plan import planner
 COMPILED_FITS = Path(__file__).parents[1] / "golden" / "compiled_fits.json"
 
 
+def code(path: Path) -> str:
+    """A module's code without its comments and docstrings (editing those keeps the memo)."""
+    def text(stmt):
+        return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(getattr(node, "body", None), list):
+            node.body = [s for s in node.body if not text(s)] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
     """The compiled program's memory per chip and MFU, memoized in tests/golden/compiled_fits.json
     under the sha256 of its lowered text, the compilers' versions, the XLA / libtpu flags and the
     planner's own code (shardtrain/plan, which reads the figures off the compiled program, and
-    shardtrain/chips.py, the chip table it divides by): the same key gives the same figures, so only a
+    shardtrain/chips.py, the chip table it divides by; their code, not their comments): the same key gives the
+    same figures, so only a
     config whose program or planner changed pays the compile (minutes on CI's 2 cores);
     UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
     lowered = prog.lower()
@@ -30,7 +43,7 @@ def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
     # writes in HBM, its operands and results, stays in the text)
     text = re.sub(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"', r'\1"callback"', lowered.as_text())
     text = re.sub(r'\\22body\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-body", text)
-    reader = [p.read_text() for p in [*sorted(Path(planner.__file__).parent.rglob("*.py")), Path(chips.__file__)]]
+    reader = [code(p) for p in [*sorted(Path(planner.__file__).parent.rglob("*.py")), Path(chips.__file__)]]
     key = hashlib.sha256("\n".join([*versions, *flags, *reader, text]).encode()).hexdigest()[:16]
     records = json.loads(COMPILED_FITS.read_text())
     if records.get(path, {}).get("key") == key:
