@@ -32,19 +32,10 @@ def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
     under the sha256 of its lowered text, the compilers' versions, the XLA / libtpu flags and the
     planner's own code (shardtrain/plan, which reads the figures off the compiled program, and
     shardtrain/chips.py, the chip table it divides by; their code, not their comments): the same key gives the
-    same figures, so only a
-    config whose program or planner changed pays the compile (minutes on CI's 2 cores);
-    UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
+    same figures, so only a config whose program or planner changed pays the compile (minutes on CI's 2
+    cores); UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
     lowered = prog.lower()
-    versions = [f"{m}={importlib.metadata.version(m)}" for m in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin")]
-    flags = [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]
-    # left out: the Python object id that names custom_partitioning's callback (cuDNN attention), and
-    # Pallas kernels' bodies (Mosaic bytecode with the kernel's source paths; what a kernel reads and
-    # writes in HBM, its operands and results, stays in the text)
-    text = re.sub(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"', r'\1"callback"', lowered.as_text())
-    text = re.sub(r'\\22body\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-body", text)
-    reader = [code(p) for p in [*sorted(Path(planner.__file__).parent.rglob("*.py")), Path(chips.__file__)]]
-    key = hashlib.sha256("\n".join([*versions, *flags, *reader, text]).encode()).hexdigest()[:16]
+    key = memo_key(lowered.as_text())
     records = json.loads(COMPILED_FITS.read_text())
     if records.get(path, {}).get("key") == key:
         return records[path]
@@ -54,3 +45,18 @@ def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
     if os.environ.get("UPDATE_GOLDEN") == "1":
         COMPILED_FITS.write_text(json.dumps({**records, path: figures}, indent=1, sort_keys=True) + "\n")
     return figures
+
+
+def memo_key(lowered_text: str) -> str:
+    """The hash of what decides a compiled program's figures: the lowered program, the compilers' versions,
+    their flags and the planner's code."""
+    versions = [f"{m}={importlib.metadata.version(m)}" for m in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin")]
+    flags = [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]
+    # left out: the Python object id that names custom_partitioning's callback (cuDNN attention), and
+    # Pallas kernels' bodies and debug locations (Mosaic bytecode with the kernel's source paths, which
+    # differ between checkouts; what a kernel reads and writes in HBM, its operands and results, stays)
+    text = re.sub(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"', r'\1"callback"', lowered_text)
+    text = re.sub(r'\\22body\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-body", text)
+    text = re.sub(r'\\22debug_locations\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-locations", text)  # source paths
+    reader = [code(p) for p in [*sorted(Path(planner.__file__).parent.rglob("*.py")), Path(chips.__file__)]]
+    return hashlib.sha256("\n".join([*versions, *flags, *reader, text]).encode()).hexdigest()[:16]
