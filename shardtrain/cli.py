@@ -159,7 +159,8 @@ def cmd_plan(args) -> int:
 def cmd_prepare(args) -> int:
     from shardtrain.data import prepare
     opts = prepare.Options(tokenizer=args.tokenizer, out=args.out, text_field=args.text_field,
-                           eval_fraction=args.eval_fraction, eos=args.eos, chat=args.chat)
+                           eval_fraction=args.eval_fraction, eos=args.eos, chat=args.chat,
+                           preference=args.preference)
     prepare.prepare(args.inputs, opts, workers=args.workers)
     return 0
 
@@ -297,6 +298,9 @@ def parser() -> argparse.ArgumentParser:
                     help="processes (default: one per CPU, at most one per file or part of a large file)")
     pr.add_argument("--chat", action="store_true", help="JSONL conversations ({\"messages\": [...]}) through the "
                     "tokenizer's chat template; the loss counts only the assistant's tokens")
+    pr.add_argument("--preference", action="store_true", help="JSONL preference rows ({\"prompt\", \"chosen\", "
+                    "\"rejected\"}: strings or chat message lists) for train.objective=dpo: both completions of a row "
+                    "kept together, the loss on the completions only")
     pr.set_defaults(func=cmd_prepare)
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out split")
     ev.add_argument("paths", nargs="+", metavar="[CONFIG] CHECKPOINT [KEY=VALUE ...]",

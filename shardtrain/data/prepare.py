@@ -10,7 +10,7 @@ Layout of the output directory DIR:
   train/NNNNN.bin            the split's tokens of input file NNNNN: a flat array (uint16 when the
                              vocabulary fits, else uint32), each document followed by EOS
   train/NNNNN.idx.npy        int64 document boundaries into that array (documents + 1 entries)
-  train/NNNNN.mask.bin       --chat only: uint8 per token, 1 for the assistant's tokens (the ones
+  train/NNNNN.mask.bin       --chat and --preference only: uint8 per token, 1 for the assistant's tokens (the ones
                              the loss counts; chat.py), 0 for the prompt's and the EOS
   eval/...                   the same for the held-out documents
   parts/NNNNN.json           completion marker of input file NNNNN (written last)
@@ -25,7 +25,8 @@ how many documents the parts before it hold): the split depends on nothing but t
 the document's place and the fraction.
 Documents: a text file is one document (never split), a JSONL line or a Parquet row (field
 --text-field) one; with --chat a JSONL line's `messages` rendered through the tokenizer's chat
-template (chat.py).
+template (chat.py); with --preference a JSONL line's {"prompt", "chosen", "rejected"} two documents,
+prompt + chosen and prompt + rejected, masked on the completions, both in the row's split (preference.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from shardtrain.config import ConfigError
-from shardtrain.data import chat, storage, tokenize
+from shardtrain.data import chat, preference, storage, tokenize
 
 FORMAT = "shardtrain-tokens/1"
 SPLITS = ("train", "eval")
@@ -64,6 +65,9 @@ class Options:
     eos: str | None = None
     chat: bool = False
     """Conversations ({"messages": [...]} lines) through the chat template, with a loss mask."""
+    preference: bool = False
+    """{"prompt", "chosen", "rejected"} lines: two documents per row, the completions masked in
+    (preference.py)."""
 
 
 def input_files(inputs: list[str]) -> list[str]:
@@ -211,7 +215,8 @@ def _marker_key(part: Part, opts: Options, tokenizer_sha: str) -> dict:
     return {"input": os.path.abspath(part.path), "part": [part.part, part.parts, part.start, part.stop],
             "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "tokenizer_sha256": tokenizer_sha, "text_field": opts.text_field,
-            "eval_fraction": opts.eval_fraction, "eos": opts.eos, **({"chat": True} if opts.chat else {})}
+            "eval_fraction": opts.eval_fraction, "eos": opts.eos, **({"chat": True} if opts.chat else {}),
+            **({"preference": True} if opts.preference else {})}
 
 
 class _SplitWriter:
@@ -255,7 +260,8 @@ def prepare_part(task: tuple[Part, Options, dict]) -> dict:
     tok = tokenize.load(opts.tokenizer, opts.eos)
     out = Path(opts.out)
     dtype = token_dtype(tok.vocab_size)
-    writers = {s: _SplitWriter(out / s / f"{part.name}.bin", dtype, mask=opts.chat) for s in SPLITS}
+    masked = opts.chat or opts.preference
+    writers = {s: _SplitWriter(out / s / f"{part.name}.bin", dtype, mask=masked) for s in SPLITS}
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
     pending: list = []
     template = chat.ChatTemplate(tokenize.tokenizer_file(opts.tokenizer).parent, tok) if opts.chat else None
@@ -278,13 +284,20 @@ def prepare_part(task: tuple[Part, Options, dict]) -> dict:
 
     index, chars = part.first_doc, 0
     try:
-        for text in texts():
-            pending.append(text)
-            chars += len(text if template is None else text[0])
-            if chars >= ENCODE_CHARS:
-                flush(index)
-                index, chars, pending = index + len(pending), 0, []
-        flush(index)
+        if opts.preference:  # a row's two documents (EOS included) go to one split together
+            pair_template = preference.chat_template(opts.tokenizer, tok)
+            for index, (where, row) in enumerate(jsonl_rows(part), part.first_doc):
+                split = "eval" if is_eval(os.path.basename(path), index, opts.eval_fraction) else "train"
+                for ids, mask in preference.encode_row(tok, row, where, pair_template):
+                    writers[split].add(ids, mask)
+        else:
+            for text in texts():
+                pending.append(text)
+                chars += len(text if template is None else text[0])
+                if chars >= ENCODE_CHARS:
+                    flush(index)
+                    index, chars, pending = index + len(pending), 0, []
+            flush(index)
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -331,7 +344,14 @@ def tokenizer_fingerprint(opts: Options, files: list[str]) -> str:
     every part. A bad tokenizer, --eos or --chat input fails here, before any work."""
     tok = tokenize.load(opts.tokenizer, opts.eos)
     sha = hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() if tok.name != "bytes" else "bytes"
-    if not opts.chat:
+    if opts.chat and opts.preference:
+        raise ConfigError("--chat and --preference do not combine: --preference reads chat message lists in its "
+                          "prompt/chosen/rejected fields itself")
+    if opts.preference or not opts.chat:
+        for f in files if opts.preference else []:
+            if kind(f) != "jsonl":
+                raise ConfigError(f"{f}: --preference reads JSONL files (a {{'prompt', 'chosen', 'rejected'}} per "
+                                  "line), not this")
         return sha
     if not isinstance(tok, tokenize.HfTokenizer):  # chat.encode reads the tokenizer's character offsets
         raise ConfigError(f"--chat needs a Hugging Face tokenizer directory with a chat template, not "
@@ -356,13 +376,15 @@ def write_manifest(inputs: list[str], opts: Options, parts: list[Part], markers:
         if opts.chat:  # a run on this data knows how its conversations were written
             (out / "chat_template.jinja").write_text(chat.ChatTemplate(tok_dir, tok).source)
     manifest = {"format": FORMAT, "tokenizer": "bytes" if tok.name == "bytes" else "tokenizer.json",
-                "tokenizer_fingerprint": tokenize.fingerprint(tok), "loss_mask": opts.chat,
+                "tokenizer_fingerprint": tokenize.fingerprint(tok), "loss_mask": opts.chat or opts.preference,
+                "preference": opts.preference,
                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                 "dtype": token_dtype(tok.vocab_size).name,
                 "options": {k: v for k, v in asdict(opts).items() if k != "out"}, "splits": {}}
     for split in SPLITS:
         shards = [{"file": f"{split}/{p.name}.bin", "index": f"{split}/{p.name}.idx.npy",
-                   **markers[p.file, p.part][split], **({"mask": f"{split}/{p.name}.mask.bin"} if opts.chat else {})}
+                   **markers[p.file, p.part][split],
+                   **({"mask": f"{split}/{p.name}.mask.bin"} if manifest["loss_mask"] else {})}
                   for p in parts if markers[p.file, p.part][split]["tokens"]]
         manifest["splits"][split] = {"tokens": sum(s["tokens"] for s in shards),
                                      "documents": sum(s["documents"] for s in shards), "shards": shards}
