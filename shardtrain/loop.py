@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 
 from models import is_adapter
-from shardtrain import config as config_lib, evaluate, optim, step as step_lib, weights
+from shardtrain import config as config_lib, dpo, evaluate, optim, step as step_lib, weights
 from shardtrain.checkpoint import diagnose, listing, local as local_tier, manager
 from shardtrain.data import loader
 from shardtrain.metrics import Metrics
@@ -52,6 +52,11 @@ def mode_line(prog: step_lib.Program) -> str:
     else:
         pipe = "no pipeline"
     accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
+    if t.objective == "dpo":
+        d = cfg.dpo
+        reference = ("the frozen starting weights" + (" (LoRA adapters off)" if cfg.model.lora.rank else "")
+                     if dpo.uses_reference(cfg) else "none")
+        accum += f"; objective dpo ({d.loss}, beta {d.beta:g}, reference {reference})"
     quant = f" with {t.quantization} matmuls" if t.quantization != "none" else ""
     return (f"mode: mesh {axes}{f' (dcn {dcn})' if dcn else ''}; remat {t.remat}; compute {t.compute_dtype}{quant}, "
             f"params {t.param_dtype}; {comm}; {pipe}{accum}")

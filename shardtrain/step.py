@@ -9,6 +9,7 @@ Train state (a plain dict pytree, checkpointed as is; spelled once, in `fresh_st
   opt:    optax state, sharded exactly like the parameters
   step:   int32 scalar
   comm, replicas: only with compressed reduction / local SGD (see comm.py)
+  reference: only with train.objective=dpo and a frozen reference: the starting params (dpo.py)
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from models import attention
-from shardtrain import optim
+from shardtrain import dpo, optim
 from shardtrain.config import ConfigError, RunConfig
-from shardtrain.data import loader
+from shardtrain.data import loader, preference
 from shardtrain.loss import n_chunks, weighted_cross_entropy_sum
 from shardtrain.parallel import comm, pipeline, sharding
 from shardtrain.parallel.blocks import scan_runner
@@ -69,10 +70,13 @@ class Program:
     reduction mode or update (tests compare meshes with it)."""
 
     def abstract_batch(self):
-        """The global batch: int32 (B, T+1) tokens, or for packed data a dict of PACKED_FIELDS of them."""
+        """The global batch: int32 (B, T+1) tokens, or for packed data a dict of PACKED_FIELDS of them
+        (preference pairs: of preference.PAIR_FIELDS)."""
         t = self.cfg.train
         x = jax.ShapeDtypeStruct((t.global_batch_size, self.cfg.data.seq_len + 1), jnp.int32,
                                  sharding=self.batch_sharding)
+        if t.objective == "dpo":
+            return {k: x for k in preference.PAIR_FIELDS}
         return {k: x for k in PACKED_FIELDS} if loader.packed(self.cfg) else x
 
     def batch_shape(self) -> tuple[int, int]:
@@ -306,6 +310,29 @@ def skipping_nonfinite(train_step: Callable) -> Callable:
     return step
 
 
+def dpo_pieces(cfg: RunConfig, mesh: Mesh, layout: sharding.ParamLayout, run_blocks: Callable, constrain,
+               shardings: dict, fresh: Callable, update: Callable) -> tuple:
+    """train.objective=dpo: (state shardings, fresh state, train step, (params, batch) -> (values,
+    grads) with the reference the params' own) around dpo.py's loss; a frozen reference (without
+    LoRA) is a state entry `reference`, sharded like the params."""
+    dpo.check(cfg, mesh)
+    if comm.enabled(cfg):
+        raise ConfigError("train.objective=dpo does not combine with train.comm.sync=local_sgd or a compressed "
+                          "train.comm.grad_reduce_dtype yet")
+    lm_fresh = fresh
+    if dpo.holds_reference(cfg):
+        shardings = {**shardings, "reference": layout.shardings}
+        fresh = lambda params: {**lm_fresh(params), "reference": params}  # noqa: E731
+    loss_and_grads = dpo.make_loss_and_grads(cfg, dpo.sequence_logps_fn(cfg, layout.graphdef, run_blocks), constrain)
+
+    def train_step(state, batch):
+        return update(state, *loss_and_grads(state["params"], dpo.reference_of(cfg, state), batch))
+
+    def own_reference(params, batch):
+        return loss_and_grads(params, dpo.reference_of(cfg, {"params": params, "reference": params}), batch)
+    return shardings, fresh, train_step, own_reference
+
+
 # ----------------------------------------------------------------------------- build
 
 
@@ -335,6 +362,10 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
 
     def train_step(state, batch):
         return update(state, *loss_and_grads(state["params"], batch))
+
+    if cfg.train.objective == "dpo":  # preference pairs, the reference in the state: dpo.py
+        shardings, fresh, train_step, loss_and_grads = dpo_pieces(cfg, mesh, layout, run_blocks, constrain,
+                                                                  shardings, fresh, update)
 
     def replica_loss_and_grads(replica_constrain):  # comm.py: a replica's activations leave out its axes,
         graphdef = nnx.split(sharding.abstract_model(cfg, replica_constrain))[0]  # so its own model

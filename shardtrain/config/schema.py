@@ -255,11 +255,36 @@ class WatchdogConfig:
 
 
 @dataclass(frozen=True)
+class DpoConfig:
+    """Direct preference optimisation (train.objective=dpo; shardtrain/dpo.py) on pairs that
+    `shardtrain prepare --preference` wrote. A sequence's log-probability is the sum over its
+    completion's tokens (EOS included); `ipo` and `simpo` use the mean per token."""
+
+    beta: float = 0.1
+    """Scale of the implicit reward beta x (log pi - log pi_ref)."""
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """`sigmoid`: DPO's -log sigmoid(beta x margin); `ipo`: (margin - 1 / (2 beta))^2 on mean
+    log-probs; `simpo`: -log sigmoid(beta x (mean logp chosen - mean logp rejected) - simpo_gamma),
+    which never uses a reference."""
+    reference: Literal["frozen", "none"] = "frozen"
+    """`frozen`: the policy's starting weights (checkpoint.init_from), held in the train state
+    sharded like the parameters, without optimizer state (with LoRA: the base model, the adapters
+    off, no copy); `none`: reference log-probs of 0 (reference-free)."""
+    label_smoothing: float = 0.0
+    """Probability that a pair's labels are flipped (conservative DPO; sigmoid and simpo)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """The training loop: steps, batch, seed, precision, recomputation, evaluation and profiling,
     with the pipeline schedule and replica communication in their own sections."""
 
     steps: int = 200
+    objective: Literal["lm", "dpo"] = "lm"
+    """`lm`: next-token cross-entropy (pretraining, SFT); `dpo`: preference optimisation on
+    `prepare --preference` data (the `dpo` section)."""
     seed: int = 0
     """All randomness (init, data order) derives from this."""
     global_batch_size: int = 32
@@ -380,6 +405,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """Preference optimisation (used when train.objective=dpo)."""
     run_dir: Optional[str] = None
     """Where metrics, plots, the resolved config and checkpoints go. Default: runs/<config name>."""
     name: str = "run"

@@ -54,6 +54,7 @@ def validate(cfg: RunConfig) -> None:
     validate_run_dir(cfg.run_dir)
     validate_hardware(cfg, with_mesh=False)
     validate_rules(cfg.rules)
+    validate_objective(cfg)
     if cfg.model.attention == "cudnn" and cfg.train.compute_dtype != "bfloat16":
         raise ConfigError(f"model.attention=cudnn: cuDNN's fused attention takes bfloat16, and train.compute_dtype "
                           f"is {cfg.train.compute_dtype}; set train.compute_dtype=bfloat16, or model.attention=auto "
@@ -106,6 +107,23 @@ def validate_train(t: TrainConfig, seq_len: int) -> None:
     validate_pipeline(t.pipeline)
     validate_comm(t.comm)
     validate_watchdog(t.watchdog)
+
+
+def validate_objective(cfg: RunConfig) -> None:
+    """train.objective=dpo: its section's values, and the data and modes it does not combine with yet."""
+    if cfg.train.objective != "dpo":
+        return
+    d = cfg.dpo
+    if d.beta <= 0:
+        raise ConfigError(f"dpo.beta: must be > 0, got {d.beta}")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing: must be in [0, 0.5), got {d.label_smoothing}")
+    if cfg.data.source != "tokens" or cfg.data.mixture:
+        raise ConfigError("train.objective=dpo trains on preference pairs: set data.source=tokens and data.path to "
+                          "a `shardtrain prepare ... --preference` output (no data.mixture)")
+    if cfg.train.eval_every:
+        raise ConfigError("train.eval_every: evaluation of train.objective=dpo is not supported yet; set "
+                          "train.eval_every=0")
 
 
 def validate_watchdog(w: WatchdogConfig) -> None:

@@ -10,7 +10,8 @@ Sources (data.source):
   synthetic  seeded arithmetic sequences; `eval` draws them from another seed.
   tokens     token files written by `shardtrain prepare` (token_shards.py), read by range: documents
              (each ending in EOS) concatenated and cut into windows of seq_len + 1 tokens. A
-             sample is then a dict {tokens, segment_ids, positions, loss_mask} (see PackedWindows).
+             sample is then a dict {tokens, segment_ids, positions, loss_mask} (see PackedWindows);
+             with train.objective=dpo, a preference pair (preference.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import grain
 import numpy as np
 
 from shardtrain.config import ConfigError, DataConfig, RunConfig
-from shardtrain.data import storage, token_shards, tokenize
+from shardtrain.data import preference, storage, token_shards, tokenize
 
 DATA_PATH_TO_FILL_IN = "PREPARED_DATA_DIR"
 """data.path of the config import-hf writes: a placeholder the user replaces with a prepared directory."""
@@ -129,6 +130,8 @@ def sources(cfg: RunConfig, split: str = "train") -> list:
                           "conversations), then set data.path: DIR in the config or pass data.path=DIR")
     if cfg.data.mixture:
         return [token_shards.windows(cfg, split, entry.path) for entry in cfg.data.mixture]
+    if cfg.train.objective == "dpo":
+        return [preference.pairs(cfg, split)]
     return [source(cfg, split)]
 
 
@@ -162,6 +165,8 @@ def eval_samples(cfg: RunConfig, opened: list | None = None) -> grain.MapDataset
 
 def describe(cfg: RunConfig, opened: list) -> str:
     """The console line saying what a run trains on (every source has one)."""
+    if cfg.train.objective == "dpo":
+        return preference.describe(opened[0])
     if packed(cfg):
         return token_shards.describe(opened)
     if cfg.data.source == "synthetic":
