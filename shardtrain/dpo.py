@@ -36,7 +36,10 @@ from shardtrain.loss import cross_entropy
 
 
 def uses_reference(cfg: RunConfig) -> bool:
-    return cfg.dpo.reference == "frozen" and cfg.dpo.loss != "simpo"
+    """Whether the objective compares with the frozen starting weights (DPO's reference, GRPO's KL)."""
+    if cfg.train.objective == "grpo":
+        return cfg.grpo.kl_coef > 0
+    return cfg.train.objective == "dpo" and cfg.dpo.reference == "frozen" and cfg.dpo.loss != "simpo"
 
 
 def holds_reference(cfg: RunConfig) -> bool:
@@ -58,11 +61,12 @@ def reference_of(cfg: RunConfig, state: dict):
 
 
 def check(cfg: RunConfig, mesh) -> None:
-    """What train.objective=dpo does not combine with yet: one line each."""
+    """What train.objective=dpo|grpo does not combine with yet: one line each."""
+    objective = cfg.train.objective
     if mesh.shape["pipeline"] > 1 or mesh.shape["context"] > 1:
-        raise ConfigError("train.objective=dpo: mesh.pipeline and mesh.context must be 1 (not supported yet)")
+        raise ConfigError(f"train.objective={objective}: mesh.pipeline and mesh.context must be 1 (not supported yet)")
     if cfg.train.grad_accum_steps > 1:
-        raise ConfigError("train.objective=dpo: train.grad_accum_steps must be 1 (not supported yet)")
+        raise ConfigError(f"train.objective={objective}: train.grad_accum_steps must be 1 (not supported yet)")
 
 
 def pair_losses(d: DpoConfig, logp_c, logp_r, ref_c, ref_r, n_c, n_r):
@@ -82,17 +86,27 @@ def pair_losses(d: DpoConfig, logp_c, logp_r, ref_c, ref_r, n_c, n_r):
     return -(1 - ls) * jax.nn.log_sigmoid(z) - ls * jax.nn.log_sigmoid(-z), r_c, r_r
 
 
-def sequence_logps_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
-    """(params, tokens_bt, mask_bt) -> (summed log-probs of the masked targets (B,), their count (B,),
-    the model's auxiliary losses): each row one sequence from position 0, padding after it."""
+def token_logps_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
+    """(params, tokens_bt) -> (log-prob of each next token (B, T-1), the model's auxiliary losses):
+    each row one sequence from position 0, padding after it."""
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
 
-    def sequence_logps(params, tokens_bt, mask_bt):
+    def token_logps(params, tokens_bt):
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
         out = run_blocks(model.blocks, model.embed(tokens_bt[:, :-1]))
         x_btd, aux = out if isinstance(out, tuple) else (out, {})
+        return -cross_entropy(model.head(x_btd), tokens_bt[:, 1:]), aux
+    return token_logps
+
+
+def sequence_logps_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callable:
+    """(params, tokens_bt, mask_bt) -> (summed log-probs of the masked targets (B,), their count (B,),
+    the model's auxiliary losses)."""
+    token_logps = token_logps_fn(cfg, graphdef, run_blocks)
+
+    def sequence_logps(params, tokens_bt, mask_bt):
+        logp_bt, aux = token_logps(params, tokens_bt)
         weights_bt = mask_bt[:, 1:].astype(jnp.float32)
-        logp_bt = -cross_entropy(model.head(x_btd), tokens_bt[:, 1:])
         return (logp_bt * weights_bt).sum(-1), weights_bt.sum(-1), aux
     return sequence_logps
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 
 from models import is_adapter
-from shardtrain import config as config_lib, dpo, evaluate, optim, step as step_lib, weights
+from shardtrain import config as config_lib, dpo, evaluate, grpo, optim, step as step_lib, weights
 from shardtrain.checkpoint import diagnose, listing, local as local_tier, manager
 from shardtrain.data import loader
 from shardtrain.metrics import Metrics
@@ -52,6 +52,11 @@ def mode_line(prog: step_lib.Program) -> str:
     else:
         pipe = "no pipeline"
     accum = f"; {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else ""
+    if t.objective == "grpo":
+        g = cfg.grpo
+        accum += (f"; objective grpo ({g.group_size} samples per prompt, at most {g.max_new_tokens} new tokens at "
+                  f"temperature {g.temperature:g}, clip {g.clip:g}, KL {g.kl_coef:g}, {g.epochs_per_batch} updates "
+                  "per batch)")
     if t.objective == "dpo":
         d = cfg.dpo
         reference = ("the frozen starting weights" + (" (LoRA adapters off)" if cfg.model.lora.rank else "")
@@ -137,6 +142,8 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodp
         metrics.event("resume", step=start, tier=tier)
     watchdog = health.Watchdog(cfg.train.watchdog, cfg.run_dir, jax.process_index())
     opened.callback(watchdog.close)
+    if cfg.train.objective == "grpo":  # sampling and scoring around the compiled update
+        compiled = grpo.Sampler(prog, compiled, clock, sources[0], jax.process_index() == 0)
     run = Run(prog, compiled, ckpt, local, metrics, evaluator, preemption, clock, watchdog, injected)
     code = run.steps(state, start, dataset)
     metrics.goodput(goodput.report(cfg.run_dir) if jax.process_index() == 0 else None)
@@ -329,7 +336,8 @@ class Run:
             self.clock.charge("data_wait")
             self.faults.inside_step(done, self.ckpt, self.local)
             profile.before(done)
-            state, step_metrics = self.compiled(state, self.prog.device_batch(local_batch))
+            batch = local_batch if cfg.train.objective == "grpo" else self.prog.device_batch(local_batch)
+            state, step_metrics = self.compiled(state, batch)
             log.hold(done, step_metrics, time.perf_counter() - iteration_end)
             self.clock.step(done)
             profile.after(done, state)

@@ -9,7 +9,7 @@ Train state (a plain dict pytree, checkpointed as is; spelled once, in `fresh_st
   opt:    optax state, sharded exactly like the parameters
   step:   int32 scalar
   comm, replicas: only with compressed reduction / local SGD (see comm.py)
-  reference: only with train.objective=dpo and a frozen reference: the starting params (dpo.py)
+  reference: only with train.objective=dpo|grpo and a frozen reference: the starting params (dpo.py)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from models import attention
-from shardtrain import dpo, optim
+from shardtrain import dpo, grpo, optim
 from shardtrain.config import ConfigError, RunConfig
 from shardtrain.data import loader, preference
 from shardtrain.loss import n_chunks, weighted_cross_entropy_sum
@@ -77,6 +77,8 @@ class Program:
                                  sharding=self.batch_sharding)
         if t.objective == "dpo":
             return {k: x for k in preference.PAIR_FIELDS}
+        if t.objective == "grpo":  # prompt + completion rows (grpo.py)
+            return {"tokens": x, "mask": x, "advantages": x.update(dtype=jnp.float32)}
         return {k: x for k in PACKED_FIELDS} if loader.packed(self.cfg) else x
 
     def batch_shape(self) -> tuple[int, int]:
@@ -310,19 +312,23 @@ def skipping_nonfinite(train_step: Callable) -> Callable:
     return step
 
 
-def dpo_pieces(cfg: RunConfig, mesh: Mesh, layout: sharding.ParamLayout, run_blocks: Callable, constrain,
-               shardings: dict, fresh: Callable, update: Callable) -> tuple:
-    """train.objective=dpo: (state shardings, fresh state, train step, (params, batch) -> (values,
-    grads) with the reference the params' own) around dpo.py's loss; a frozen reference (without
-    LoRA) is a state entry `reference`, sharded like the params."""
+def post_training_pieces(cfg: RunConfig, mesh: Mesh, layout: sharding.ParamLayout, run_blocks: Callable,
+                         constrain, shardings: dict, fresh: Callable, update: Callable, lm_loss_and_grads) -> tuple:
+    """train.objective=dpo|grpo: (state shardings, fresh state, train step, (params, batch) ->
+    (values, grads): DPO's with the reference the params' own, else the lm one) around dpo.py's
+    loss or grpo.py's update; a frozen reference (without LoRA) is a state entry `reference`,
+    sharded like the params."""
     dpo.check(cfg, mesh)
     if comm.enabled(cfg):
-        raise ConfigError("train.objective=dpo does not combine with train.comm.sync=local_sgd or a compressed "
-                          "train.comm.grad_reduce_dtype yet")
+        raise ConfigError(f"train.objective={cfg.train.objective} does not combine with train.comm.sync=local_sgd or "
+                          "a compressed train.comm.grad_reduce_dtype yet")
     lm_fresh = fresh
     if dpo.holds_reference(cfg):
         shardings = {**shardings, "reference": layout.shardings}
         fresh = lambda params: {**lm_fresh(params), "reference": params}  # noqa: E731
+    if cfg.train.objective == "grpo":
+        return (shardings, fresh, grpo.make_step(cfg, dpo.token_logps_fn(cfg, layout.graphdef, run_blocks), update),
+                lm_loss_and_grads)
     loss_and_grads = dpo.make_loss_and_grads(cfg, dpo.sequence_logps_fn(cfg, layout.graphdef, run_blocks), constrain)
 
     def train_step(state, batch):
@@ -363,9 +369,9 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     def train_step(state, batch):
         return update(state, *loss_and_grads(state["params"], batch))
 
-    if cfg.train.objective == "dpo":  # preference pairs, the reference in the state: dpo.py
-        shardings, fresh, train_step, loss_and_grads = dpo_pieces(cfg, mesh, layout, run_blocks, constrain,
-                                                                  shardings, fresh, update)
+    if cfg.train.objective != "lm":  # post-training, the reference in the state: dpo.py, grpo.py
+        shardings, fresh, train_step, loss_and_grads = post_training_pieces(
+            cfg, mesh, layout, run_blocks, constrain, shardings, fresh, update, loss_and_grads)
 
     def replica_loss_and_grads(replica_constrain):  # comm.py: a replica's activations leave out its axes,
         graphdef = nnx.split(sharding.abstract_model(cfg, replica_constrain))[0]  # so its own model

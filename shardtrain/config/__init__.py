@@ -20,6 +20,7 @@ from shardtrain.config.schema import (
     DataConfig,
     DcnConfig,
     DpoConfig,
+    GrpoConfig,
     HardwareConfig,
     LocalTierConfig,
     MeshConfig,
@@ -38,8 +39,8 @@ from shardtrain.config.validate import validate, validate_hardware, validate_opt
 
 __all__ = [
     "MESH_AXES", "MOVED", "AxisRule", "CheckpointConfig", "CommConfig", "ConfigError", "DataConfig", "DcnConfig",
-    "DpoConfig", "HardwareConfig", "LocalTierConfig", "LoraConfig", "MeshConfig", "MixtureEntry", "MlaConfig",
-    "ModelConfig", "MoeConfig",
+    "DpoConfig", "GrpoConfig", "HardwareConfig", "LocalTierConfig", "LoraConfig", "MeshConfig", "MixtureEntry",
+    "MlaConfig", "ModelConfig", "MoeConfig",
     "OptimizerConfig", "PipelineConfig", "RopeScalingConfig", "RulesConfig", "RunConfig", "TrainConfig",
     "WatchdogConfig", "absolute", "dump", "from_dict", "is_url", "load", "mesh_axes", "read_yaml", "repeated",
     "resolve_paths", "shown", "to_dict", "validate", "validate_hardware", "validate_optimizer",

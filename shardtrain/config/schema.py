@@ -277,14 +277,40 @@ class DpoConfig:
 
 
 @dataclass(frozen=True)
+class GrpoConfig:
+    """Group relative policy optimisation (train.objective=grpo; shardtrain/grpo.py): each step
+    samples group_size completions of each prompt with the KV-cache generator on the training mesh,
+    scores them with `reward`, and optimises the clipped policy-ratio objective with a KL penalty to
+    the frozen starting weights. train.global_batch_size counts completions (prompts x group_size)."""
+
+    reward: Optional[str] = None
+    """`path/to/file.py:function`, called as function(row, text, ids) -> float for each completion:
+    row the prompt's record ({"prompt": text} for a prepared dataset), text and ids the completion's
+    (its EOS included in ids when it stopped there)."""
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are normalised within each group."""
+    max_new_tokens: int = 32
+    """The most tokens a completion may have (it stops earlier at EOS)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    kl_coef: float = 0.04
+    """Weight of the KL penalty to the reference (the starting weights; 0: no reference held)."""
+    clip: float = 0.2
+    """The policy ratio is clipped to [1 - clip, 1 + clip]."""
+    epochs_per_batch: int = 1
+    """Optimizer updates on each batch of completions (the ratio is to the policy that sampled them)."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """The training loop: steps, batch, seed, precision, recomputation, evaluation and profiling,
     with the pipeline schedule and replica communication in their own sections."""
 
     steps: int = 200
-    objective: Literal["lm", "dpo"] = "lm"
+    objective: Literal["lm", "dpo", "grpo"] = "lm"
     """`lm`: next-token cross-entropy (pretraining, SFT); `dpo`: preference optimisation on
-    `prepare --preference` data (the `dpo` section)."""
+    `prepare --preference` data (the `dpo` section); `grpo`: reinforcement learning from a reward
+    on sampled completions of prepared prompts (the `grpo` section)."""
     seed: int = 0
     """All randomness (init, data order) derives from this."""
     global_batch_size: int = 32
@@ -407,6 +433,8 @@ class RunConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """Preference optimisation (used when train.objective=dpo)."""
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    """Reinforcement learning with sampled completions (used when train.objective=grpo)."""
     run_dir: Optional[str] = None
     """Where metrics, plots, the resolved config and checkpoints go. Default: runs/<config name>."""
     name: str = "run"

@@ -110,20 +110,39 @@ def validate_train(t: TrainConfig, seq_len: int) -> None:
 
 
 def validate_objective(cfg: RunConfig) -> None:
-    """train.objective=dpo: its section's values, and the data and modes it does not combine with yet."""
-    if cfg.train.objective != "dpo":
+    """train.objective=dpo|grpo: their sections' values, and the data and modes they do not combine with yet."""
+    objective = cfg.train.objective
+    if objective == "lm":
         return
-    d = cfg.dpo
-    if d.beta <= 0:
-        raise ConfigError(f"dpo.beta: must be > 0, got {d.beta}")
-    if not 0 <= d.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing: must be in [0, 0.5), got {d.label_smoothing}")
+    what = "preference pairs" if objective == "dpo" else "prompts"
+    how = ("shardtrain prepare ... --preference" if objective == "dpo"
+           else "shardtrain prepare PROMPTS.jsonl --text-field prompt")
     if cfg.data.source != "tokens" or cfg.data.mixture:
-        raise ConfigError("train.objective=dpo trains on preference pairs: set data.source=tokens and data.path to "
-                          "a `shardtrain prepare ... --preference` output (no data.mixture)")
+        raise ConfigError(f"train.objective={objective} trains on {what}: set data.source=tokens and data.path to a "
+                          f"`{how}` output (no data.mixture)")
     if cfg.train.eval_every:
-        raise ConfigError("train.eval_every: evaluation of train.objective=dpo is not supported yet; set "
+        raise ConfigError(f"train.eval_every: evaluation of train.objective={objective} is not supported yet; set "
                           "train.eval_every=0")
+    if objective == "dpo":
+        if cfg.dpo.beta <= 0:
+            raise ConfigError(f"dpo.beta: must be > 0, got {cfg.dpo.beta}")
+        if not 0 <= cfg.dpo.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing: must be in [0, 0.5), got {cfg.dpo.label_smoothing}")
+        return
+    g = cfg.grpo
+    at_least_one([("grpo.group_size", g.group_size), ("grpo.max_new_tokens", g.max_new_tokens),
+                  ("grpo.epochs_per_batch", g.epochs_per_batch)])
+    if g.reward is None or ":" not in g.reward:
+        raise ConfigError(f"grpo.reward: give the reward function as path/to/file.py:function, got {g.reward}")
+    if g.group_size < 2 or cfg.train.global_batch_size % g.group_size:
+        raise ConfigError(f"grpo.group_size={g.group_size} must be >= 2 and divide train.global_batch_size="
+                          f"{cfg.train.global_batch_size} (completions per step: prompts x group_size)")
+    if g.max_new_tokens >= cfg.data.seq_len:
+        raise ConfigError(f"grpo.max_new_tokens={g.max_new_tokens} must be below data.seq_len={cfg.data.seq_len} "
+                          "(a prompt and its completion are one sequence)")
+    if g.temperature < 0 or not 0 < g.top_p <= 1 or g.kl_coef < 0 or not 0 < g.clip < 1:
+        raise ConfigError("grpo: temperature >= 0, 0 < top_p <= 1, kl_coef >= 0 and 0 < clip < 1, got "
+                          f"{g.temperature}, {g.top_p}, {g.kl_coef}, {g.clip}")
 
 
 def validate_watchdog(w: WatchdogConfig) -> None:

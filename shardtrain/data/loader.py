@@ -25,7 +25,7 @@ import grain
 import numpy as np
 
 from shardtrain.config import ConfigError, DataConfig, RunConfig
-from shardtrain.data import preference, storage, token_shards, tokenize
+from shardtrain.data import preference, prompts, storage, token_shards, tokenize
 
 DATA_PATH_TO_FILL_IN = "PREPARED_DATA_DIR"
 """data.path of the config import-hf writes: a placeholder the user replaces with a prepared directory."""
@@ -132,6 +132,8 @@ def sources(cfg: RunConfig, split: str = "train") -> list:
         return [token_shards.windows(cfg, split, entry.path) for entry in cfg.data.mixture]
     if cfg.train.objective == "dpo":
         return [preference.pairs(cfg, split)]
+    if cfg.train.objective == "grpo":
+        return [prompts.prompts(cfg, split)]
     return [source(cfg, split)]
 
 
@@ -153,6 +155,8 @@ def samples(cfg: RunConfig, opened: list | None = None) -> grain.MapDataset:
     by weight (grain's deterministic mix)."""
     parts = [grain.MapDataset.source(s).shuffle(seed=cfg.train.seed + k).repeat()
              for k, s in enumerate(opened or sources(cfg))]
+    if cfg.train.objective == "grpo":  # each prompt group_size times in a row
+        return prompts.Grouped(parts[0], cfg.grpo.group_size)
     return grain.MapDataset.mix(parts, [e.weight for e in cfg.data.mixture]) if cfg.data.mixture else parts[0]
 
 
@@ -167,6 +171,8 @@ def describe(cfg: RunConfig, opened: list) -> str:
     """The console line saying what a run trains on (every source has one)."""
     if cfg.train.objective == "dpo":
         return preference.describe(opened[0])
+    if cfg.train.objective == "grpo":
+        return prompts.describe(opened[0])
     if packed(cfg):
         return token_shards.describe(opened)
     if cfg.data.source == "synthetic":

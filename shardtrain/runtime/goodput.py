@@ -20,7 +20,7 @@ from pathlib import Path
 
 FILE = "goodput.jsonl"
 CATEGORIES = ("productive_steps", "startup_compile", "checkpoint_restore", "checkpoint_save", "data_wait", "eval",
-              "redone_steps", "restart_gap", "other")
+              "generation", "redone_steps", "restart_gap", "other")
 """What the report names; `productive_steps` over the wall time is the goodput."""
 
 
@@ -92,7 +92,7 @@ class Clock:
                 self.file.close()
 
 
-CHARGED = ("data_wait", "checkpoint_save", "eval", "other")
+CHARGED = ("data_wait", "checkpoint_save", "eval", "generation", "other")
 """Categories `Clock.charge` records under their own names (a step's own time is `step_s`)."""
 
 

@@ -1,0 +1,76 @@
+"""train.objective=grpo: group-normalised advantages and the clipped objective against a NumPy
+computation token by token; a run's metrics and samples, and its exact resume (the sampling keys
+follow the step)."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY
+from prepared_data import run_cli
+from shardtrain import config, grpo
+from shardtrain.data import prepare
+
+
+def test_advantages_are_normalised_within_each_group():
+    rewards = np.array([0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 4.0, 8.0], np.float32)
+    got = grpo.advantages(rewards, 4)
+    for group in (slice(0, 4), slice(4, 8)):
+        r = rewards[group].astype(np.float64)
+        want = [(x - r.mean()) / (np.sqrt(((r - r.mean()) ** 2).mean()) + grpo.ADV_EPS) for x in r]
+        np.testing.assert_allclose(got[group], want, rtol=1e-6)
+    assert not grpo.advantages(np.ones(4, np.float32), 4).any()  # equal rewards teach nothing
+
+
+def test_clipped_objective_equals_a_token_by_token_computation():
+    g = config.load(None, ["grpo.clip=0.2", "grpo.kl_coef=0.3"]).grpo
+    rng = np.random.default_rng(0)
+    logp, old, ref = (rng.normal(-2, 0.3, (4, 6)) for _ in range(3))
+    adv = np.repeat(rng.normal(0, 1, (4, 1)), 6, 1)
+    w = (rng.random((4, 6)) < 0.7).astype(np.float64)
+    losses, kls, clipped, counted = [], [], 0, 0
+    for b in range(4):
+        per_token, kl_row = [], []
+        for t in range(6):
+            if not w[b, t]:
+                continue
+            ratio = np.exp(logp[b, t] - old[b, t])
+            kl = np.exp(ref[b, t] - logp[b, t]) - (ref[b, t] - logp[b, t]) - 1
+            unclipped, bounded = ratio * adv[b, t], min(max(ratio, 0.8), 1.2) * adv[b, t]
+            per_token.append(-min(unclipped, bounded) + 0.3 * kl)
+            kl_row.append(kl)
+            clipped, counted = clipped + (bounded < unclipped), counted + 1
+        losses.append(np.mean(per_token) if per_token else 0.0)
+        kls.append(np.mean(kl_row) if kl_row else 0.0)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    got = grpo.clipped_objective(g, *map(f32, (logp, old, ref, adv, w)))
+    np.testing.assert_allclose([float(x) for x in got], [np.mean(losses), np.mean(kls), clipped / counted], rtol=1e-5)
+    assert 0 < clipped < counted
+
+
+@pytest.mark.slow
+def test_grpo_run_logs_rewards_and_samples_and_resumes_exactly(tmp_path, capsys):
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"x = {i} +"}) + "\n" for i in range(12)))
+    prepare.prepare([str(tmp_path / "p.jsonl")], prepare.Options("bytes", str(tmp_path / "prompts"), "prompt"),
+                    workers=1, say=lambda _: None)
+    (tmp_path / "reward.py").write_text("def reward(row, text, ids):\n    return text.count('1') / max(1, len(ids))\n")
+    args = ["train", "meshes/demo.yaml", *TINY, "model.vocab_size=264", "data.source=tokens",
+            f"data.path={tmp_path / 'prompts'}", "train.objective=grpo", f"grpo.reward={tmp_path / 'reward.py'}:reward",
+            "grpo.group_size=4", "grpo.max_new_tokens=6", "optimizer.warmup_steps=0", "optimizer.schedule=constant",
+            "train.compile_cache=false"]  # constant: a resume to more steps keeps the same learning rates
+
+    def losses(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss"], r["reward_mean"], r["kl"]) for r in rows if "loss" in r}
+    assert run_cli(capsys, *args, "train.steps=4", f"run_dir={tmp_path / 'straight'}")[0] == 0
+    assert run_cli(capsys, *args, "train.steps=2", f"run_dir={tmp_path / 'cut'}")[0] == 0
+    assert run_cli(capsys, *args, "train.steps=4", f"run_dir={tmp_path / 'cut'}")[0] == 0
+    straight = losses("straight")
+    assert sorted(straight) == [1, 2, 3, 4] and losses("cut") == straight
+    rows = [json.loads(x) for x in (tmp_path / "straight" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * 4 and {"step", "prompt", "completion", "reward"} <= set(rows[0])
+    row = json.loads((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"reward_std", "kl", "completion_len", "clip_fraction"} <= set(row)
+    assert row["kl"] == 0 and 0 < row["completion_len"] <= 6  # the reference is the starting policy
