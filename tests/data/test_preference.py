@@ -2,13 +2,14 @@
 completion and its EOS), read back as one sample holding both; over-long rows dropped and counted."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from prepared_data import run_cli
 from shardtrain.config import ConfigError
-from shardtrain.data import preference, prepare, token_shards
+from shardtrain.data import chat, preference, prepare, token_shards, tokenize
 
 ROWS = [{"prompt": "def f(x):\n", "chosen": "    return x\n", "rejected": "zq%\n"},
         {"prompt": "p" * 40, "chosen": "c", "rejected": "r"},
@@ -44,3 +45,26 @@ def test_rows_all_too_long_or_malformed_are_refused(prefs, tmp_path, capsys):
     code, _, err = run_cli(capsys, "prepare", str(tmp_path / "bad.jsonl"), "--preference", "--tokenizer", "bytes",
                         "--out", str(tmp_path / "o"))
     assert code == 2 and "bad.jsonl:1: no 'rejected'" in err
+
+
+def test_chat_rows_mask_the_completion_the_template_adds(tmp_path):
+    """Chat lists through the tokenizer's chat template: the prompt is the conversation with the
+    generation prompt, the mask covers what the chosen (rejected) turn adds to it, and EOS."""
+    qwen = "tests/fixtures/hf/qwen2"
+    row = {"prompt": [{"role": "user", "content": "Add 2 and 3."}], "chosen": "5", "rejected": [
+        {"role": "assistant", "content": "23"}]}
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    prepare.prepare([str(tmp_path / "p.jsonl")], prepare.Options(qwen, str(tmp_path / "o"), preference=True),
+                    workers=1, say=lambda _: None)
+    tok = tokenize.load(qwen)
+    template = chat.ChatTemplate(Path(qwen), tok)
+    head = template.prompt(row["prompt"])
+    pair = preference.PreferencePairs(token_shards.TokenSplit(str(tmp_path / "o"), "train"), 64, tok.vocab_size)[0]
+    for name, reply in (("chosen", "5"), ("rejected", "23")):
+        full = template.render([*row["prompt"], {"role": "assistant", "content": reply}], "test")[0]
+        assert full.startswith(head) and reply in full[len(head):]
+        ids, mask = pair[name], pair[f"{name}_mask"]
+        n_prompt = len(tok.encode(head))
+        completion = ids[mask == 1].tolist()
+        assert not mask[:n_prompt].any() and completion[-1] == tok.eos_id
+        assert tok.decode(completion[:-1]) == full[len(head):] and ids[:n_prompt].tolist() == tok.encode(head)
