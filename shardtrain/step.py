@@ -81,6 +81,17 @@ class Program:
             return {"tokens": x, "mask": x, "advantages": x.update(dtype=jnp.float32)}
         return {k: x for k in PACKED_FIELDS} if loader.packed(self.cfg) else x
 
+    def generation_cache(self) -> dict:
+        """train.objective=grpo: the KV cache the generator fills for a step's rows at full length
+        (ShapeDtypeStructs with the rules' shardings, as generate.py lays it out); else {}."""
+        if self.cfg.train.objective != "grpo":
+            return {}
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.train.compute_dtype)
+        shapes = self.layout.model_class.cache_layout(cfg.model, *self.batch_shape())
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, sharding.spec_for(
+                    names, cfg.rules, self.mesh, shape=shape, what=f"KV cache {shape}")))
+                for k, (shape, names) in shapes.items()}
+
     def batch_shape(self) -> tuple[int, int]:
         return (self.cfg.train.global_batch_size, self.cfg.data.seq_len + 1)
 

@@ -10,8 +10,9 @@ import pytest
 
 from conftest import TINY
 from prepared_data import run_cli
-from shardtrain import config, grpo
+from shardtrain import config, grpo, step
 from shardtrain.data import prepare
+from shardtrain.parallel import mesh as mesh_lib, sharding
 
 
 def test_advantages_are_normalised_within_each_group():
@@ -74,3 +75,13 @@ def test_grpo_run_logs_rewards_and_samples_and_resumes_exactly(tmp_path, capsys)
     row = json.loads((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()[0])
     assert {"reward_std", "kl", "completion_len", "clip_fraction"} <= set(row)
     assert row["kl"] == 0 and 0 < row["completion_len"] <= 6  # the reference is the starting policy
+
+
+def test_plan_counts_the_reference_and_the_generation_cache():
+    cfg = config.load(None, [*TINY, "model.n_heads=4", "model.n_kv_heads=2", "mesh.data=2", "mesh.fsdp=2",
+                             "mesh.tensor=2", "data.source=tokens", "data.path=unused", "train.objective=grpo",
+                             "grpo.reward=r.py:f", "grpo.group_size=4", "grpo.max_new_tokens=4"])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    assert sharding.shard_bytes(prog.abstract_state["reference"]) == sharding.shard_bytes(prog.abstract_state["params"])
+    # (layers, rows, slots, kv heads, head size) float32, k and v; rows over data x fsdp, kv heads over tensor
+    assert sharding.shard_bytes(prog.generation_cache()) == 2 * 2 * 8 * 17 * 2 * 8 * 4 // (4 * 2)

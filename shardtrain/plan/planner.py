@@ -13,6 +13,10 @@ the compiler gives no cost analysis (XLA:GPU compiling for GPUs that are not her
 (whose cost analysis counts more bytes than a measured step could move: bench/README.md, GPU), all of
 them come from the HLO (`hlo.program_cost`).
 
+Post-training adds `reference` (the frozen starting weights, taken out of `optimizer`) and, for GRPO,
+`kv_cache` (the generator's cache, held with the state instead of the step's temporaries and batch:
+total is the larger of the two).
+
 The compiler is the target's own: the TPU compiler for a TPU topology, XLA:GPU for GPUs (compile-only
 devices of `topology.gpu_devices` when no GPU is here), else the devices present.
 
@@ -220,6 +224,11 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     mem = compiled.memory_analysis()
     params_b, batch_b = sharding.shard_bytes(params), sharding.shard_bytes(prog.abstract_batch())
     total_b = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    # post-training: the frozen reference is state beside the optimizer's; GRPO's generation holds
+    # the state and the KV cache (instead of the step's temporaries and batch)
+    reference_b = sharding.shard_bytes(prog.abstract_state.get("reference", {}))
+    cache_b = sharding.shard_bytes(prog.generation_cache())
+    total_b = max(total_b, mem.argument_size_in_bytes - batch_b + cache_b)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     platform = mesh.devices.flat[0].platform
@@ -248,8 +257,9 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "params": {"count": n_params,
                    "bytes": sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))},
         "memory_per_device_bytes": {
-            "params": params_b, "optimizer": mem.argument_size_in_bytes - params_b - batch_b, "batch": batch_b,
-            "temp": mem.temp_size_in_bytes, "total": total_b},
+            "params": params_b, "optimizer": mem.argument_size_in_bytes - params_b - batch_b - reference_b,
+            "batch": batch_b, **({"reference": reference_b} if reference_b else {}), "temp": mem.temp_size_in_bytes,
+            **({"kv_cache": cache_b} if cache_b else {}), "total": total_b},
         "compiled_memory_bytes": {  # memory_analysis() as the compiler gave it
             "arguments": mem.argument_size_in_bytes, "temp": mem.temp_size_in_bytes,
             "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes,
