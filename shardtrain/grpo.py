@@ -111,7 +111,8 @@ class Sampler:
 
     def __call__(self, state, batch):
         cfg, g, tok = self.prog.cfg, self.prog.cfg.grpo, self.prompts.tokenizer
-        step = int(state["step"]) + 1
+        step = int(state["step"]) + 1  # waits for the previous update: its time is a step's, not generation's
+        self.clock.charge("step_s")
         prompts = [batch["tokens"][r, :batch["length"][r]].tolist() for r in range(len(batch["length"]))]
         model = nnx.merge(self.prog.layout.graphdef, state["params"])
         gen = generate.Generator(cfg, model, self.prog.mesh, tok, (self.prompts.eos_id,))
