@@ -67,6 +67,8 @@ def check(cfg: RunConfig, mesh) -> None:
         raise ConfigError(f"train.objective={objective}: mesh.pipeline and mesh.context must be 1 (not supported yet)")
     if cfg.train.grad_accum_steps > 1:
         raise ConfigError(f"train.objective={objective}: train.grad_accum_steps must be 1 (not supported yet)")
+    if objective == "grpo" and jax.process_count() > 1:
+        raise ConfigError("train.objective=grpo runs in one process (its rewards are scored on one host) for now")
 
 
 def pair_losses(d: DpoConfig, logp_c, logp_r, ref_c, ref_r, n_c, n_r):

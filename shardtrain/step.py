@@ -338,6 +338,7 @@ def post_training_pieces(cfg: RunConfig, mesh: Mesh, layout: sharding.ParamLayou
         shardings = {**shardings, "reference": layout.shardings}
         fresh = lambda params: {**lm_fresh(params), "reference": params}  # noqa: E731
     if cfg.train.objective == "grpo":
+        grpo.load_reward(cfg.grpo.reward)  # a missing file or function fails before compiling
         return (shardings, fresh, grpo.make_step(cfg, dpo.token_logps_fn(cfg, layout.graphdef, run_blocks), update),
                 lm_loss_and_grads)
     loss_and_grads = dpo.make_loss_and_grads(cfg, dpo.sequence_logps_fn(cfg, layout.graphdef, run_blocks), constrain)

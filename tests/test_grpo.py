@@ -80,8 +80,29 @@ def test_grpo_run_logs_rewards_and_samples_and_resumes_exactly(tmp_path, capsys)
 def test_plan_counts_the_reference_and_the_generation_cache():
     cfg = config.load(None, [*TINY, "model.n_heads=4", "model.n_kv_heads=2", "mesh.data=2", "mesh.fsdp=2",
                              "mesh.tensor=2", "data.source=tokens", "data.path=unused", "train.objective=grpo",
-                             "grpo.reward=r.py:f", "grpo.group_size=4", "grpo.max_new_tokens=4"])
+                             "grpo.reward=examples/grpo_reward.py:letter_a", "grpo.group_size=4",
+                             "grpo.max_new_tokens=4"])
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
     assert sharding.shard_bytes(prog.abstract_state["reference"]) == sharding.shard_bytes(prog.abstract_state["params"])
     # (layers, rows, slots, kv heads, head size) float32, k and v; rows over data x fsdp, kv heads over tensor
     assert sharding.shard_bytes(prog.generation_cache()) == 2 * 2 * 8 * 17 * 2 * 8 * 4 // (4 * 2)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.objective=grpo", "grpo.reward=r.py:f", "data.source=text"],
+     "train.objective=grpo trains on prompts: set data.source=tokens and data.path"),
+    (["train.objective=grpo", "data.source=tokens", "data.path=x"], "grpo.reward: give the reward function as"),
+    (["train.objective=grpo", "grpo.reward=r.py:f", "grpo.group_size=3", "data.source=tokens", "data.path=x"],
+     "grpo.group_size=3 must be >= 2 and divide train.global_batch_size=8"),
+    (["train.objective=dpo", "data.source=tokens", "data.path=PREPARED"],
+     "train.objective=dpo reads preference pairs: data.path=PREPARED was not prepared with"),
+    (["train.objective=grpo", "grpo.reward=/nonexistent.py:f", "grpo.max_new_tokens=4", "data.source=tokens",
+      "data.path=PREPARED"],
+     "grpo.reward: no file /nonexistent.py"),
+])
+def test_post_training_mistakes_exit_2_with_one_line(capsys, tmp_path, prepared, overrides, message):
+    overrides = [o.replace("PREPARED", str(prepared)) for o in overrides]
+    message = message.replace("PREPARED", str(prepared))
+    code, _, err = run_cli(capsys, "train", "meshes/demo.yaml", *TINY, "model.vocab_size=320", *overrides,
+                           f"run_dir={tmp_path}")
+    assert code == 2 and message in err and "Traceback" not in err, err
