@@ -118,7 +118,7 @@ class Sampler:
         gen = generate.Generator(cfg, model, self.prog.mesh, tok, (self.prompts.eos_id,))
         outs = gen.generate(prompts, g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                             seed=(cfg.train.seed * SAMPLE_SEED + step) % 2**31)
-        rows = [{"prompt": tok.decode(p)} for p in prompts]
+        rows = [self.prompts.row(int(d)) for d in batch["index"]]
         texts = [tok.decode([t for t in ids if t != self.prompts.eos_id]) for ids in outs]
         rewards = np.array([self.score(row, text, ids) for row, text, ids in zip(rows, texts, outs)], np.float32)
         self.clock.charge("generation")

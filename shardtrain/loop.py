@@ -15,7 +15,7 @@ import jax
 from models import is_adapter
 from shardtrain import config as config_lib, dpo, evaluate, grpo, optim, step as step_lib, weights
 from shardtrain.checkpoint import diagnose, listing, local as local_tier, manager
-from shardtrain.data import loader
+from shardtrain.data import loader, prompts
 from shardtrain.metrics import Metrics
 from shardtrain.parallel import mesh as mesh_lib, sharding
 from shardtrain.runtime import distributed, faults, goodput, health
@@ -114,6 +114,8 @@ def _train(cfg: config_lib.RunConfig, opened: contextlib.ExitStack, clock: goodp
     a ConfigError raised before it leaves the run dir as it was."""
     sources = loader.sources(cfg)  # a missing data path fails before anything is compiled
     cfg = weights.check_tokenizer(cfg, sources)  # the weights' tokenizer is the data's; data.tokenizer recorded
+    if cfg.train.objective == "grpo" and prompts.is_jsonl(cfg):  # prompts tokenized by the model's own tokenizer
+        sources = [prompts.prompts(cfg, "train", weights.model_tokenizer(cfg))]
     dataset = loader.samples(cfg, sources)
     init_from = weights.find(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     resumed = listing.newest_meta(cfg)

@@ -156,6 +156,20 @@ def check_tokenizer(cfg: config_lib.RunConfig, opened: list) -> config_lib.RunCo
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=fp))
 
 
+def model_tokenizer(cfg: config_lib.RunConfig):
+    """The tokenizer the run's weights read (a resumed run's, checkpoint.init_from's), loaded to
+    tokenize text for them (GRPO's JSONL prompts); ConfigError when they name none."""
+    for _, fingerprint, tok_dir in model_tokenizers(cfg):
+        if tok_dir is not None:
+            return tokenize.load(str(tok_dir))
+        if fingerprint == tokenize.BYTES:
+            return tokenize.load("bytes")
+    raise config_lib.ConfigError(f"data.path={cfg.data.path}: no tokenizer for its prompts: the weights (checkpoint."
+                                 "init_from) name none; start from weights that have one, or tokenize the prompts "
+                                 "with `shardtrain prepare FILE.jsonl --text-field prompt --tokenizer TOK --out DIR` "
+                                 "and pass data.source=tokens data.path=DIR")
+
+
 def model_tokenizers(cfg: config_lib.RunConfig) -> list:
     """(whose, fingerprint or None, the tokenizer's directory or None) of each tokenizer the
     run's weights come with: a resumed run's, else checkpoint.init_from's (recorded in their config,

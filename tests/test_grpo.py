@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY
 from prepared_data import run_cli
 from shardtrain import config, grpo, step
-from shardtrain.data import prepare
+from shardtrain.data import prepare, prompts, tokenize
 from shardtrain.parallel import mesh as mesh_lib, sharding
 
 
@@ -106,3 +106,15 @@ def test_post_training_mistakes_exit_2_with_one_line(capsys, tmp_path, prepared,
     code, _, err = run_cli(capsys, "train", "meshes/demo.yaml", *TINY, "model.vocab_size=320", *overrides,
                            f"run_dir={tmp_path}")
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_jsonl_prompts_keep_their_rows_for_the_reward_and_drop_those_without_room(tmp_path):
+    rows = [{"prompt": "2+2=", "answer": "4"}, {"prompt": "x" * 20, "answer": "?"}, {"prompt": "10+5=", "answer": "15"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config.load(None, [*TINY, f"data.path={tmp_path / 'p.jsonl'}", "train.objective=grpo",
+                             "grpo.reward=examples/grpo_reward.py:letter_a", "grpo.max_new_tokens=8"])
+    source = prompts.prompts(cfg, "train", tokenize.load("bytes"))
+    assert (len(source), source.dropped) == (2, 1)  # 20 bytes + 8 new > 17
+    second = source[1]
+    assert second["tokens"][:second["length"]].tolist() == list(b"10+5=") and not second["tokens"][5:].any()
+    assert source.row(int(second["index"])) == rows[2]  # the whole row reaches the reward

@@ -285,7 +285,7 @@ class GrpoConfig:
 
     reward: Optional[str] = None
     """`path/to/file.py:function`, called as function(row, text, ids) -> float for each completion:
-    row the prompt's record ({"prompt": text} for a prepared dataset), text and ids the completion's
+    row the prompt's JSONL line ({"prompt": text} for a prepared directory), text and ids the completion's
     (its EOS included in ids when it stopped there)."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are normalised within each group."""

@@ -117,9 +117,11 @@ def validate_objective(cfg: RunConfig) -> None:
     what = "preference pairs" if objective == "dpo" else "prompts"
     how = ("shardtrain prepare ... --preference" if objective == "dpo"
            else "shardtrain prepare PROMPTS.jsonl --text-field prompt")
-    if cfg.data.source != "tokens" or cfg.data.mixture:
+    jsonl_prompts = objective == "grpo" and str(cfg.data.path or "").endswith(".jsonl")
+    if (cfg.data.source != "tokens" and not jsonl_prompts) or cfg.data.mixture:
         raise ConfigError(f"train.objective={objective} trains on {what}: set data.source=tokens and data.path to a "
-                          f"`{how}` output (no data.mixture)")
+                          f"`{how}` output (no data.mixture)" + (", or a JSONL file of prompts" if objective == "grpo"
+                                                                 else ""))
     if cfg.train.eval_every:
         raise ConfigError(f"train.eval_every: evaluation of train.objective={objective} is not supported yet; set "
                           "train.eval_every=0")

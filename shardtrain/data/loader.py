@@ -132,14 +132,16 @@ def sources(cfg: RunConfig, split: str = "train") -> list:
         return [token_shards.windows(cfg, split, entry.path) for entry in cfg.data.mixture]
     if cfg.train.objective == "dpo":
         return [preference.pairs(cfg, split)]
-    if cfg.train.objective == "grpo":
-        return [prompts.prompts(cfg, split)]
+    if cfg.train.objective == "grpo":  # a JSONL's prompts need the model's tokenizer: loop.py opens them
+        return [] if prompts.is_jsonl(cfg) else [prompts.prompts(cfg, split)]
     return [source(cfg, split)]
 
 
 def tokenizers(cfg: RunConfig, opened: list) -> list[tuple[str, str]]:
     """(which data, the fingerprint of its tokenizer) of each opened source: the text source's bytes,
     each prepared directory's own (where known); synthetic data has none."""
+    if cfg.train.objective == "grpo" and prompts.is_jsonl(cfg):
+        return []  # tokenized with the model's own tokenizer
     if cfg.data.source == "text":
         return [("data.source=text", tokenize.BYTES)]
     if not packed(cfg):
@@ -172,7 +174,7 @@ def describe(cfg: RunConfig, opened: list) -> str:
     if cfg.train.objective == "dpo":
         return preference.describe(opened[0])
     if cfg.train.objective == "grpo":
-        return prompts.describe(opened[0])
+        return opened[0].describe()
     if packed(cfg):
         return token_shards.describe(opened)
     if cfg.data.source == "synthetic":
