@@ -93,8 +93,7 @@ class PreferencePairs:
 
     def __init__(self, split: token_shards.TokenSplit, window: int, vocab_size: int):
         self.split, self.window, self.vocab_size = split, window, vocab_size
-        offsets = np.concatenate([np.asarray(f.offsets[:len(f.offsets) - 1]) + s
-                                  for f, s in zip(split.shards, split.starts)] + [[len(split)]])
+        offsets = split.document_starts()
         lengths = np.diff(offsets)
         if len(lengths) % 2:
             raise ConfigError(f"data.path={split.directory}: an odd number of documents in a preference split; "

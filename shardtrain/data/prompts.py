@@ -57,8 +57,7 @@ class Prompts:
 class PreparedPrompts(Prompts):
     def __init__(self, split: token_shards.TokenSplit, window: int, room: int, vocab_size: int):
         self.split, self.vocab_size = split, vocab_size
-        starts = np.concatenate([np.asarray(f.offsets[:len(f.offsets) - 1]) + s
-                                 for f, s in zip(split.shards, split.starts)] + [[len(split)]])
+        starts = split.document_starts()
         super().__init__(split.directory, np.diff(starts) - 1, window, room)  # without EOS
         self.starts, m = starts[:-1], split.manifest
         self.eos_id = m["eos_id"]

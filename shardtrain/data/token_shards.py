@@ -146,6 +146,11 @@ class TokenSplit:
     def __len__(self):
         return self.starts[-1]
 
+    def document_starts(self) -> np.ndarray:
+        """Each document's first token in the stream, then the stream's length (documents + 1 entries)."""
+        return np.concatenate([np.asarray(f.offsets[:len(f.offsets) - 1]) + s
+                               for f, s in zip(self.shards, self.starts)] + [[len(self)]])
+
     def pieces(self, start: int, stop: int):
         """(shard number k, its TokenFile, [lo, hi) in that shard) for each shard that stream
         tokens [start, stop) cross, in order."""
