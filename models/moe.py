@@ -29,16 +29,17 @@ back by ragged all-to-all to the rows they came from. Every device of an exchang
 rounds as its most loaded shard needs (one when the load is within receive_buffer of balanced), so
 results are exact, no row is dropped and memory stays one window's for any routing, all tokens
 to one expert included. The rounds are a while loop whose gradient (`dispatch_rounds`, a
-custom_vjp) runs the rounds again, each recomputing its forward for its own backward: a loop of
-unknown length keeps no per-round residuals. Nothing of size tokens x experts x capacity exists.
+custom_vjp) keeps the first round's residuals and runs the later rounds again, each recomputing
+its forward for its own backward: a loop of unknown length keeps no per-round residuals. Nothing
+of size tokens x experts x capacity exists.
 Every row move is a gather or scatter of distinct rows (`gather_rows`, `scatter_rows`), each the
 other's gradient, so the backward pass builds no scatter-add.
 The window never exceeds the most a device can receive: P N min(El, k) rows dropless (a token's k
 experts are distinct, so at most min(El, k) of its assignments go to one shard). With
 `capacity_factor` c each expert takes at most C = ceil(c A / E) assignments from each device (the
 rest are dropped, in token order), at most P min(A, El C) rows.
-The planner counts one round (a loop of unknown trip count counts once), the cost of routing
-within receive_buffer of balanced.
+The planner counts the first round only (the loops over later rounds, in the named scope
+`OVERFLOW_SCOPE`, zero times): the cost of routing within receive_buffer of balanced.
 Without a mesh (or with one expert shard) the same code runs on one device; XLA:CPU, which has no
 ragged all-to-all, gets a dense all-to-all of blocks with the same result (`Shard.ragged_all_to_all`).
 
@@ -57,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import quant
+from models import grouped_gemm, quant
 from models.layers import dense, flat_matmuls, param
 
 normal = nnx.initializers.normal
@@ -71,8 +72,12 @@ def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True, quantization="none")
     return mm(jax.nn.silu(mm(x_btd, w_gate_df)) * mm(x_btd, w_up_df), w_down_fd)
 
 
-def grouped(x_rd, w_edf, group_e, quantization="none"):
-    """Rows x_rd (sorted by group, group_e rows each, padding after) times their group's w_edf."""
+def grouped(x_rd, w_edf, group_e, quantization="none", platform=None):
+    """Rows x_rd (sorted by group, group_e rows each, padding after) times their group's w_edf: on
+    NVIDIA GPUs by grouped-GEMM kernels (models/grouped_gemm.py; XLA:GPU makes `ragged_dot` a dense
+    dot over every group), elsewhere and quantized by `ragged_dot`."""
+    if platform == "gpu" and quantization == "none" and grouped_gemm.supported(x_rd, w_edf):
+        return grouped_gemm.gmm(x_rd, w_edf, group_e)
     return quant.grouped_dot(x_rd, w_edf, group_e, quantization)
 
 
@@ -176,9 +181,9 @@ def exclusive_cumsum(x):
 
 
 def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, *, cfg,
-                  quantization="none"):
+                  quantization="none", platform=None):
     """One device's tokens through their experts (see the module docstring), the grouped matmuls
-    quantized by `quantization`; returns out_btd."""
+    quantized by `quantization`, by kernels for `platform` (`grouped`); returns out_btd."""
     b, t, d = x_btd.shape
     k = top_i_btk.shape[-1]
     w_gate_edf = shard.all_gather(w_gate_edf, "expert_embed", axis=1)
@@ -208,11 +213,17 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
     rows = min(most, math.ceil(cfg.moe.receive_buffer * a))
     rounds = -(-shard.pmax(recv_p.sum(), "experts") // rows)  # the same on every device of the exchange
     x_ad = gather_rows(jnp.repeat(x_btd.reshape(n, d), k, axis=0), order_a)
-    dispatch = functools.partial(dispatch_rounds, shard, rows, quantization)
+    matmul = functools.partial(grouped, quantization=quantization, platform=platform)
+    dispatch = functools.partial(dispatch_rounds, shard, rows, matmul)
     y_ad = dispatch(x_ad, (w_gate_edf, w_up_edf, w_down_efd), routes, rounds)
     y_nkd = scatter_rows(y_ad, order_a, a).reshape(n, k, d)  # dropped assignments: zero
     out_nd = jnp.einsum("nkd,nk->nd", y_nkd.astype(jnp.float32), weight_btk.reshape(n, k).astype(jnp.float32))
     return shard.psum(out_nd, "mlp").astype(x_btd.dtype).reshape(b, t, d)
+
+
+OVERFLOW_SCOPE = "moe_overflow_rounds"
+"""The named scope of the loops over rounds past the first, which `plan` counts zero times
+(shardtrain/plan/hlo/parse.py): its figures are those of routing within receive_buffer of balanced."""
 
 
 class Routes(NamedTuple):
@@ -225,10 +236,11 @@ class Routes(NamedTuple):
     src_at_p: jax.Array  # where they start among j's sorted rows
 
 
-def dispatch_round(shard, rows: int, quantization, r, x_ad, w_edfs, routes: Routes, y_ad):
+def dispatch_round(shard, rows: int, matmul, r, x_ad, w_edfs, routes: Routes, y_ad):
     """Round r of dispatch: the rows of every device's receive stream (arrivals by sender, then
     local expert) at [r rows, (r + 1) rows) go to their device by ragged all-to-all, through its
-    grouped SwiGLU, and back into y_ad (A, d) at the rows they came from; y_ad's other rows stay."""
+    grouped SwiGLU (`matmul(x_rd, w_edf, group_e)`), and back into y_ad (A, d) at the rows they came
+    from; y_ad's other rows stay."""
     send_p, send_at_p, dest_at_p, recv_pl, recv_at_p, src_at_p = routes
     recv_p, start = recv_pl.sum(1), r * rows
     # the part of each block inside the window: [lo, hi) of its rows, at both ends of the exchange
@@ -246,8 +258,8 @@ def dispatch_round(shard, rows: int, quantization, r, x_ad, w_edfs, routes: Rout
     group_l = jnp.zeros((el + 1,), jnp.int32).at[local_r].add(1)[:el]
     x_rd = gather_rows(recv_rd, order_r)
     w_gate_edf, w_up_edf, w_down_efd = w_edfs
-    gate_rf, up_rf = grouped(x_rd, w_gate_edf, group_l, quantization), grouped(x_rd, w_up_edf, group_l, quantization)
-    y_rd = grouped(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l, quantization)
+    gate_rf, up_rf = matmul(x_rd, w_gate_edf, group_l), matmul(x_rd, w_up_edf, group_l)
+    y_rd = matmul(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l)
     y_rd = jnp.where((jnp.arange(rows) < group_l.sum())[:, None], y_rd, 0)
     back_at_p = jnp.where(got_p > 0, recv_at_p + rlo_p - start, 0)
     return shard.ragged_all_to_all(scatter_rows(y_rd, order_r, rows), y_ad, back_at_p, got_p, src_at_p + rlo_p, sent_p,
@@ -255,28 +267,34 @@ def dispatch_round(shard, rows: int, quantization, r, x_ad, w_edfs, routes: Rout
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def dispatch_rounds(shard, rows: int, quantization, x_ad, w_edfs, routes: Routes, rounds):
+def dispatch_rounds(shard, rows: int, matmul, x_ad, w_edfs, routes: Routes, rounds):
     """y_ad: every sorted row of x_ad through its expert, in `rounds` rounds of `dispatch_round`
-    (a while loop: memory is one round's whatever the routing). Its gradient runs the rounds
-    again, each round's forward recomputed for its own backward (a loop keeps no residuals)."""
-    y_ad = jnp.zeros_like(x_ad)
-    return jax.lax.fori_loop(0, rounds, lambda r, y: dispatch_round(shard, rows, quantization, r, x_ad, w_edfs,
-                                                                    routes, y), y_ad)
+    (the first, then a while loop for the rest: memory is one round's whatever the routing). Its
+    gradient keeps the first round's residuals (the only round when routing is within
+    receive_buffer of balanced, so that costs what one ragged pass does) and runs the later rounds
+    again, each recomputing its forward for its own backward (a loop of unknown length keeps none)."""
+    return _dispatch_fwd(shard, rows, matmul, x_ad, w_edfs, routes, rounds)[0]
 
 
-def _dispatch_fwd(shard, rows, quantization, x_ad, w_edfs, routes, rounds):
-    return dispatch_rounds(shard, rows, quantization, x_ad, w_edfs, routes, rounds), (x_ad, w_edfs, routes, rounds)
+def _dispatch_fwd(shard, rows, matmul, x_ad, w_edfs, routes, rounds):
+    def round_r(r, x, w, y):
+        return dispatch_round(shard, rows, matmul, r, x, w, routes, y)
+    y_ad, first_vjp = jax.vjp(lambda x, w: round_r(0, x, w, jnp.zeros_like(x)), x_ad, w_edfs)
+    with jax.named_scope(OVERFLOW_SCOPE):
+        y_ad = jax.lax.fori_loop(1, rounds, lambda r, y: round_r(r, x_ad, w_edfs, y), y_ad)
+    return y_ad, (first_vjp, x_ad, w_edfs, routes, rounds)
 
 
-def _dispatch_bwd(shard, rows, quantization, res, g_ad):
-    x_ad, w_edfs, routes, rounds = res
+def _dispatch_bwd(shard, rows, matmul, res, g_ad):
+    first_vjp, x_ad, w_edfs, routes, rounds = res
 
-    def one_round(r, acc):
-        _, vjp = jax.vjp(lambda x, w: dispatch_round(shard, rows, quantization, r, x, w, routes, jnp.zeros_like(x)),
+    def later_round(r, acc):
+        _, vjp = jax.vjp(lambda x, w: dispatch_round(shard, rows, matmul, r, x, w, routes, jnp.zeros_like(x)),
                          x_ad, w_edfs)
         return jax.tree.map(lambda s, g: s + g.astype(s.dtype), acc, vjp(g_ad))
-    zeros = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), (x_ad, w_edfs))
-    g_x, g_w = jax.lax.fori_loop(0, rounds, one_round, zeros)
+    first = jax.tree.map(lambda g: g.astype(jnp.float32), first_vjp(g_ad))
+    with jax.named_scope(OVERFLOW_SCOPE):
+        g_x, g_w = jax.lax.fori_loop(1, rounds, later_round, first)
     no_grad = jax.tree.map(lambda _: None, routes)
     return (g_x.astype(x_ad.dtype), jax.tree.map(lambda g, w: g.astype(w.dtype), g_w, w_edfs), no_grad, None)
 
@@ -316,7 +334,8 @@ class Moe(nnx.Module):
                                                      cfg.moe.norm_topk_prob)
             aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
-        local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg, quantization=self.quantization),
+        local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg, quantization=self.quantization,
+                                                             platform=c.platform),
                             (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))
         out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
         if cfg.moe.n_shared_experts:
