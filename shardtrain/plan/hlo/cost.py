@@ -44,8 +44,8 @@ def loop_repeats_cost(program: str | Module) -> tuple[float, float]:
     fused = _fused(module)
     flops = nbytes = 0.0
     for name, comp in module.computations.items():
-        extra = with_trips[name] - once[name]
-        if extra > 0:
+        extra = with_trips[name] - once[name]  # -1 for a loop that runs zero times (parse.trip_count)
+        if extra:
             f, b = _own_cost(comp, module, name in fused)
             flops, nbytes = flops + extra * f, nbytes + extra * b
     return flops, nbytes
