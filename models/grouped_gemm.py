@@ -46,10 +46,19 @@ def _compile_only_devices():
     if jax.default_backend() == "gpu":
         yield
         return
-    shim = types.SimpleNamespace(**{k: getattr(jax, k) for k in dir(jax) if not k.startswith("__")})
-    shim.devices = lambda: [types.SimpleNamespace(core_count=H100_SMS)]
-    with mock.patch.object(module, "jax", shim):
+    with mock.patch.object(module, "jax", _JaxOfAnH100()):
         yield
+
+
+class _JaxOfAnH100:
+    """`jax`, but for `devices()`: one device with an H100's SMs."""
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+    @staticmethod
+    def devices():
+        return [types.SimpleNamespace(core_count=H100_SMS)]
 
 
 def _kernel_product(kind: str, a, b, group_e):
