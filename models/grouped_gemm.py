@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 SCOPE = "grouped_gemm"
 BLOCKS = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 8}
+ROW_MULTIPLE = BLOCKS["block_m"]  # rows of a buffer the kernels take (their memory tiles need multiples of 8)
 H100_SMS = 132  # what ragged_dot_mgpu assumes; transposed_ragged_dot_mgpu asks the first device
 
 
