@@ -18,18 +18,28 @@ Both are computed over the whole global batch (outside the per-shard code), so e
 the same loss.
 
 Dispatch, on each device's own tokens (`constrain.shard_map`, manual over every mesh axis):
-sort the A assignments by expert, so those bound for each expert shard are contiguous, and send
-each shard exactly its rows with one ragged all-to-all over `experts` (`jax.lax.ragged_all_to_all`;
-the row counts go first, by a small all-to-all). Arrivals lie packed by sender, then local expert:
-sort them by local expert and run the SwiGLU as three grouped matmuls (`ragged_dot`; the
-receive buffer's unused rows sort last, outside every group); undo the sort, ragged all-to-all
-back, weight and sum each token's k results. Nothing of size tokens x experts x capacity exists.
+sort the A assignments by expert, so those bound for each expert shard are contiguous, and tell
+every shard how many rows it gets per local expert (a small all-to-all of counts). A device's
+arrivals form its receive stream: by sender, then local expert. The stream goes through in rounds
+of R = receive_buffer x A rows (`dispatch_round`): each sender sends, by one ragged all-to-all over
+`experts` (`jax.lax.ragged_all_to_all`), exactly its rows that fall in the receiver's current
+window; the receiver sorts them by local expert and runs the SwiGLU as three grouped matmuls
+(`ragged_dot`; unused rows of the window sort last, outside every group), and sends the results
+back by ragged all-to-all to the rows they came from. Every device of an exchange runs as many
+rounds as its most loaded shard needs (one when the load is within receive_buffer of balanced), so
+results are exact, no row is dropped and memory stays one window's for any routing, all tokens
+to one expert included. The rounds are a while loop whose gradient (`dispatch_rounds`, a
+custom_vjp) keeps the first round's residuals and runs the later rounds again, each recomputing
+its forward for its own backward: a loop of unknown length keeps no per-round residuals. Nothing
+of size tokens x experts x capacity exists.
 Every row move is a gather or scatter of distinct rows (`gather_rows`, `scatter_rows`), each the
 other's gradient, so the backward pass builds no scatter-add.
-Dropless: the receive buffer holds P N min(El, k) rows (a token's k experts are distinct, so at
-most min(El, k) of its assignments go to one shard), the price of static shapes; only the routed
-rows travel. With `capacity_factor` c each expert takes at most C = ceil(c A / E) assignments from
-each device (the rest are dropped, in token order) and the buffer holds P min(A, El C) rows.
+The window never exceeds the most a device can receive: P N min(El, k) rows dropless (a token's k
+experts are distinct, so at most min(El, k) of its assignments go to one shard). With
+`capacity_factor` c each expert takes at most C = ceil(c A / E) assignments from each device (the
+rest are dropped, in token order), at most P min(A, El C) rows.
+The planner counts the first round only (the loops over later rounds, in the named scope
+`OVERFLOW_SCOPE`, zero times): the cost of routing within receive_buffer of balanced.
 Without a mesh (or with one expert shard) the same code runs on one device; XLA:CPU, which has no
 ragged all-to-all, gets a dense all-to-all of blocks with the same result (`Shard.ragged_all_to_all`).
 
@@ -42,12 +52,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import quant
+from models import grouped_gemm, quant
 from models.layers import dense, flat_matmuls, param
 
 normal = nnx.initializers.normal
@@ -61,8 +72,12 @@ def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True, quantization="none")
     return mm(jax.nn.silu(mm(x_btd, w_gate_df)) * mm(x_btd, w_up_df), w_down_fd)
 
 
-def grouped(x_rd, w_edf, group_e, quantization="none"):
-    """Rows x_rd (sorted by group, group_e rows each, padding after) times their group's w_edf."""
+def grouped(x_rd, w_edf, group_e, quantization="none", platform=None):
+    """Rows x_rd (sorted by group, group_e rows each, padding after) times their group's w_edf: on
+    NVIDIA GPUs by grouped-GEMM kernels (models/grouped_gemm.py; XLA:GPU makes `ragged_dot` a dense
+    dot over every group), elsewhere and quantized by `ragged_dot`."""
+    if platform == "gpu" and quantization == "none" and grouped_gemm.supported(x_rd, w_edf):
+        return grouped_gemm.gmm(x_rd, w_edf, group_e)
     return quant.grouped_dot(x_rd, w_edf, group_e, quantization)
 
 
@@ -166,9 +181,9 @@ def exclusive_cumsum(x):
 
 
 def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, *, cfg,
-                  quantization="none"):
+                  quantization="none", platform=None):
     """One device's tokens through their experts (see the module docstring), the grouped matmuls
-    quantized by `quantization`; returns out_btd."""
+    quantized by `quantization`, by kernels for `platform` (`grouped`); returns out_btd."""
     b, t, d = x_btd.shape
     k = top_i_btk.shape[-1]
     w_gate_edf = shard.all_gather(w_gate_edf, "expert_embed", axis=1)
@@ -192,26 +207,101 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
     recv_pl = shard.all_to_all(kept_e.reshape(p, el), "experts")
     send_p, recv_p = kept_e.reshape(p, el).sum(1), recv_pl.sum(1)
     send_at_p, recv_at_p = exclusive_cumsum(send_p), exclusive_cumsum(recv_p)
-    rows = p * (n * min(el, k) if cap is None else min(a, el * cap))  # the most one device can receive
+    routes = Routes(send_p, send_at_p, shard.all_to_all(recv_at_p, "experts"), recv_pl, recv_at_p,
+                    shard.all_to_all(send_at_p, "experts"))
+    most = p * (n * min(el, k) if cap is None else min(a, el * cap))  # the most one device can receive
+    rows = min(most, math.ceil(cfg.moe.receive_buffer * a))
+    if platform == "gpu":  # the kernels' tiles
+        rows = -(-rows // grouped_gemm.ROW_MULTIPLE) * grouped_gemm.ROW_MULTIPLE
+    rounds = -(-shard.pmax(recv_p.sum(), "experts") // rows)  # the same on every device of the exchange
     x_ad = gather_rows(jnp.repeat(x_btd.reshape(n, d), k, axis=0), order_a)
-    recv_rd = shard.ragged_all_to_all(x_ad, jnp.zeros((rows, d), x_ad.dtype), send_at_p, send_p,
-                                      shard.all_to_all(recv_at_p, "experts"), recv_p, "experts")
-    # arrivals: by sender, then local expert; grouped SwiGLU over the local experts, padding last
-    ends = jnp.cumsum(recv_pl.reshape(-1))
-    local_r = jnp.searchsorted(ends, jnp.arange(rows), side="right", method="compare_all")
-    local_r = jnp.where(local_r < p * el, local_r % el, el)
-    order_r = jnp.argsort(local_r, stable=True)
-    group_l = jnp.zeros((el + 1,), jnp.int32).at[local_r].add(1)[:el]
-    x_rd = gather_rows(recv_rd, order_r)
-    q = quantization
-    gate_rf, up_rf = grouped(x_rd, w_gate_edf, group_l, q), grouped(x_rd, w_up_edf, group_l, q)
-    y_rd = grouped(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l, q)
-    y_rd = jnp.where((jnp.arange(rows) < group_l.sum())[:, None], y_rd, 0)
-    y_ad = shard.ragged_all_to_all(scatter_rows(y_rd, order_r, rows), jnp.zeros((a, d), y_rd.dtype), recv_at_p,
-                                   recv_p, shard.all_to_all(send_at_p, "experts"), send_p, "experts")
+    matmul = functools.partial(grouped, quantization=quantization, platform=platform)
+    dispatch = functools.partial(dispatch_rounds, shard, rows, matmul)
+    y_ad = dispatch(x_ad, (w_gate_edf, w_up_edf, w_down_efd), routes, rounds)
     y_nkd = scatter_rows(y_ad, order_a, a).reshape(n, k, d)  # dropped assignments: zero
     out_nd = jnp.einsum("nkd,nk->nd", y_nkd.astype(jnp.float32), weight_btk.reshape(n, k).astype(jnp.float32))
     return shard.psum(out_nd, "mlp").astype(x_btd.dtype).reshape(b, t, d)
+
+
+OVERFLOW_SCOPE = "moe_overflow_rounds"
+"""The named scope of the loops over rounds past the first, which `plan` counts zero times
+(shardtrain/plan/hlo/parse.py): its figures are those of routing within receive_buffer of balanced."""
+
+
+class Routes(NamedTuple):
+    """Who sends how many rows where, per expert shard j (this device's view; int32 arrays)."""
+    send_p: jax.Array  # rows this device sends shard j
+    send_at_p: jax.Array  # where they start among this device's sorted rows
+    dest_at_p: jax.Array  # where they start in j's receive stream
+    recv_pl: jax.Array  # rows this device receives from shard j, per local expert
+    recv_at_p: jax.Array  # where j's rows start in this device's receive stream
+    src_at_p: jax.Array  # where they start among j's sorted rows
+
+
+def dispatch_round(shard, rows: int, matmul, r, x_ad, w_edfs, routes: Routes, y_ad):
+    """Round r of dispatch: the rows of every device's receive stream (arrivals by sender, then
+    local expert) at [r rows, (r + 1) rows) go to their device by ragged all-to-all, through its
+    grouped SwiGLU (`matmul(x_rd, w_edf, group_e)`), and back into y_ad (A, d) at the rows they came
+    from; y_ad's other rows stay."""
+    send_p, send_at_p, dest_at_p, recv_pl, recv_at_p, src_at_p = routes
+    recv_p, start = recv_pl.sum(1), r * rows
+    # the part of each block inside the window: [lo, hi) of its rows, at both ends of the exchange
+    lo_p, hi_p = (jnp.clip(start + s - dest_at_p, 0, send_p) for s in (0, rows))
+    rlo_p, rhi_p = (jnp.clip(start + s - recv_at_p, 0, recv_p) for s in (0, rows))
+    sent_p, got_p = hi_p - lo_p, rhi_p - rlo_p
+    d, el = x_ad.shape[1], recv_pl.shape[1]
+    recv_rd = shard.ragged_all_to_all(x_ad, jnp.zeros((rows, d), x_ad.dtype), send_at_p + lo_p, sent_p,
+                                      jnp.where(sent_p > 0, dest_at_p + lo_p - start, 0), got_p, "experts")
+    # arrivals: by sender, then local expert; grouped SwiGLU over the local experts, padding last
+    ends = jnp.cumsum(recv_pl.reshape(-1))
+    local_r = jnp.searchsorted(ends, start + jnp.arange(rows), side="right", method="compare_all")
+    local_r = jnp.where(local_r < ends.shape[0], local_r % el, el)
+    order_r = jnp.argsort(local_r, stable=True)
+    group_l = jnp.zeros((el + 1,), jnp.int32).at[local_r].add(1)[:el]
+    x_rd = gather_rows(recv_rd, order_r)
+    w_gate_edf, w_up_edf, w_down_efd = w_edfs
+    gate_rf, up_rf = matmul(x_rd, w_gate_edf, group_l), matmul(x_rd, w_up_edf, group_l)
+    y_rd = matmul(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l)
+    y_rd = jnp.where((jnp.arange(rows) < group_l.sum())[:, None], y_rd, 0)
+    back_at_p = jnp.where(got_p > 0, recv_at_p + rlo_p - start, 0)
+    return shard.ragged_all_to_all(scatter_rows(y_rd, order_r, rows), y_ad, back_at_p, got_p, src_at_p + rlo_p, sent_p,
+                                   "experts")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def dispatch_rounds(shard, rows: int, matmul, x_ad, w_edfs, routes: Routes, rounds):
+    """y_ad: every sorted row of x_ad through its expert, in `rounds` rounds of `dispatch_round`
+    (the first, then a while loop for the rest: memory is one round's whatever the routing). Its
+    gradient keeps the first round's residuals (the only round when routing is within
+    receive_buffer of balanced, so that costs what one ragged pass does) and runs the later rounds
+    again, each recomputing its forward for its own backward (a loop of unknown length keeps none)."""
+    return _dispatch_fwd(shard, rows, matmul, x_ad, w_edfs, routes, rounds)[0]
+
+
+def _dispatch_fwd(shard, rows, matmul, x_ad, w_edfs, routes, rounds):
+    def round_r(r, x, w, y):
+        return dispatch_round(shard, rows, matmul, r, x, w, routes, y)
+    y_ad, first_vjp = jax.vjp(lambda x, w: round_r(0, x, w, jnp.zeros_like(x)), x_ad, w_edfs)
+    with jax.named_scope(OVERFLOW_SCOPE):
+        y_ad = jax.lax.fori_loop(1, rounds, lambda r, y: round_r(r, x_ad, w_edfs, y), y_ad)
+    return y_ad, (first_vjp, x_ad, w_edfs, routes, rounds)
+
+
+def _dispatch_bwd(shard, rows, matmul, res, g_ad):
+    first_vjp, x_ad, w_edfs, routes, rounds = res
+
+    def later_round(r, acc):
+        _, vjp = jax.vjp(lambda x, w: dispatch_round(shard, rows, matmul, r, x, w, routes, jnp.zeros_like(x)),
+                         x_ad, w_edfs)
+        return jax.tree.map(lambda s, g: s + g.astype(s.dtype), acc, vjp(g_ad))
+    first = jax.tree.map(lambda g: g.astype(jnp.float32), first_vjp(g_ad))
+    with jax.named_scope(OVERFLOW_SCOPE):
+        g_x, g_w = jax.lax.fori_loop(1, rounds, later_round, first)
+    no_grad = jax.tree.map(lambda _: None, routes)
+    return (g_x.astype(x_ad.dtype), jax.tree.map(lambda g, w: g.astype(w.dtype), g_w, w_edfs), no_grad, None)
+
+
+dispatch_rounds.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 class Moe(nnx.Module):
@@ -246,7 +336,8 @@ class Moe(nnx.Module):
                                                      cfg.moe.norm_topk_prob)
             aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
-        local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg, quantization=self.quantization),
+        local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg, quantization=self.quantization,
+                                                             platform=c.platform),
                             (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))
         out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
         if cfg.moe.n_shared_experts:

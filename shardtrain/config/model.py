@@ -59,6 +59,10 @@ class MoeConfig:
     capacity_factor: Optional[float] = None
     """null routes every token (dropless); a number caps each expert at capacity_factor x
     (tokens x experts_per_token / n_experts) assignments per expert shard's batch, dropping the rest."""
+    receive_buffer: float = 1.25
+    """Rows each device's experts take per round of dispatch, in units of a balanced load (its own
+    tokens x experts_per_token); rows past it go in further rounds, so memory stays bounded and no
+    assignment is dropped however the tokens route (all to one expert included)."""
     router_aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss n_experts x sum_e (fraction of assignments to e) x
     (mean router probability of e)."""

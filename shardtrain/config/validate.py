@@ -270,6 +270,9 @@ def validate_moe(e: MoeConfig, n_layers: int) -> None:
         raise ConfigError("model.moe.n_experts and model.moe.n_shared_experts must be >= 0")
     if e.capacity_factor is not None and e.capacity_factor <= 0:
         raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be > 0, or null for dropless routing")
+    if e.receive_buffer <= 0:
+        raise ConfigError(f"model.moe.receive_buffer={e.receive_buffer} must be > 0 (1.25: a quarter over "
+                          "a balanced load)")
 
 
 def validate_lora(m: ModelConfig, comm: CommConfig) -> None:

@@ -249,6 +249,10 @@ class Shard:
         axes = self.axes.get(name, ())
         return jax.lax.psum(x, axes) if axes else x
 
+    def pmax(self, x, name: str):
+        axes = self.axes.get(name, ())
+        return jax.lax.pmax(x, axes) if axes else x
+
     def all_gather(self, x, name: str, axis: int):
         """The whole of dimension `axis`, which is split over logical axis `name`."""
         axes = self.axes.get(name, ())

@@ -58,8 +58,9 @@ QWEN2_MOE = ("model.moe.n_shared_experts=1", "model.moe.shared_expert_d_ff=48", 
              "model.moe.norm_topk_prob=false")
 
 
-@pytest.mark.parametrize("overrides", [(), QWEN2_MOE])
+@pytest.mark.parametrize("overrides", [(), QWEN2_MOE, ("model.moe.receive_buffer=0.3",)])
 def test_dropless_routing_is_the_dense_mixture_of_each_tokens_top_k_experts(overrides):
+    """receive_buffer 0.3: the experts take 0.3 x 64 of the 64 assignments per round, so 4 rounds."""
     cfg, layer, h_btd = layer_and_input(*overrides)
     out_btd, aux = jax.jit(layer)(h_btd)
     np.testing.assert_allclose(np.asarray(out_btd), naive_mixture(layer, cfg, h_btd), atol=1e-5)
@@ -82,17 +83,23 @@ def assert_same_losses_and_grads(reference, other, batch):
     """Losses and gradients of `other`'s step (before any update) = `reference`'s, to 1e-5;
     returns (reference's losses, other's compiled loss_and_grads)."""
     params = reference.init(0)["params"]
-    losses_a, grads_a = reference.loss_and_grads(params, jax.device_put(batch, reference.batch_sharding))
     params_b = jax.device_put(params, other.state_shardings["params"])
     batch_b = jax.device_put(batch, other.batch_sharding)
     compiled = other.loss_and_grads.lower(params_b, batch_b).compile()
-    losses_b, grads_b = compiled(params_b, batch_b)
+    losses_a = assert_same(reference.loss_and_grads(params, jax.device_put(batch, reference.batch_sharding)),
+                           compiled(params_b, batch_b))
+    return losses_a, compiled
+
+
+def assert_same(losses_and_grads_a, losses_and_grads_b):
+    """The same losses (rtol 1e-5) and gradients (atol 1e-5 x the largest); returns the first losses."""
+    (losses_a, grads_a), (losses_b, grads_b) = losses_and_grads_a, losses_and_grads_b
     assert set(losses_a) == set(losses_b)
     for k in losses_a:
-        np.testing.assert_allclose(float(losses_b[k]), float(losses_a[k]), rtol=1e-5, err_msg=k)
+        np.testing.assert_allclose(np.asarray(losses_b[k]), np.asarray(losses_a[k]), rtol=1e-5, err_msg=k)
     for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * max(1.0, float(np.abs(a).max())))
-    return losses_a, compiled
+    return losses_a
 
 
 @pytest.mark.slow
@@ -122,6 +129,29 @@ def test_expert_and_context_parallel_losses_gradients_and_collectives():
     assert expert_bytes and not expert_bytes & other_bytes
     gathered = [c for c in colls if c.kind.startswith("all-gather") and {"expert", "context"} & set(c.axes)]
     assert gathered and all(c.bytes in other_bytes and "context" not in c.axes for c in gathered), gathered
+
+
+@pytest.mark.slow
+def test_bounded_dropless_dispatch_on_expert_x_fsdp_equals_one_device_for_any_routing():
+    """Dropless routing on expert 4 x fsdp 2 with receive buffers of a quarter of a balanced load
+    (16 of each device's 64 assignments per round: 4 rounds when balanced, 16 when every token
+    picks experts 0 and 1, both on the first expert shard): losses and gradients = one device's
+    (dropless in one round there, itself the dense mixture: the test above), for uniform, skewed
+    and all-to-one routing (a router bias on experts 0 and 1)."""
+    moe = ["model.moe.router=sigmoid", "model.moe.n_experts=8", "model.moe.n_groups=1", "model.moe.topk_groups=1"]
+    one = program(*moe, devices=jax.devices()[:1])
+    other = program(*moe, "mesh.expert=4", "mesh.fsdp=2", "model.moe.receive_buffer=0.25")
+    batch = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
+    params = one.init(0)["params"]
+    bias = params["blocks"]["moe"]["router_bias_e"]
+    for routing, on_first_two in (("uniform", 0.0), ("skewed", 0.5), ("all_to_one", 30.0)):
+        params["blocks"]["moe"]["router_bias_e"] = bias.at[:, :2].set(on_first_two)
+        losses = assert_same(one.loss_and_grads(params, jax.device_put(batch, one.batch_sharding)),
+                             other.loss_and_grads(jax.device_put(params, other.state_shardings["params"]),
+                                                  jax.device_put(batch, other.batch_sharding)))
+        first_two = np.asarray(losses["router_load"])[:, :2].sum(-1)  # per layer: their share of the assignments
+        assert {"uniform": first_two.max() < 0.5, "skewed": 0.5 < first_two.min() < 1,
+                "all_to_one": np.all(first_two == 1)}[routing], (routing, first_two)
 
 
 def test_ragged_all_to_all_by_blocks_gives_jax_s_two_device_example():

@@ -72,6 +72,12 @@ def test_loop_runs_read_from_the_condition_or_from_xla_known_trip_count():
     assert hlo.multipliers(module, trips=False)["body"] == 1  # as cost analysis counts a loop body
     known = MODULE.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"5"}}')
     assert hlo.loop_trip_counts(known) == [5] and hlo.multipliers(hlo.parse_module(known))["body"] == 5
+    # the MoE dispatch's overflow rounds (models/moe.py OVERFLOW_SCOPE): planned for routing within the buffer
+    overflow = MODULE.replace("body=%body", 'body=%body, metadata={op_name="jit(step)/moe_overflow_rounds/while"}')
+    assert hlo.loop_trip_counts(overflow) == [0] and hlo.multipliers(hlo.parse_module(overflow))["body"] == 0
+    twice = MODULE.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"2"}}')
+    flops, nbytes = hlo.loop_repeats_cost(twice)  # one body's cost past cost analysis's one run
+    assert nbytes > 0 and hlo.loop_repeats_cost(overflow) == (-flops, -nbytes)  # that one run taken back
 
 
 def test_collectives_are_counted_per_run_and_attributed_to_the_axes_their_groups_span():

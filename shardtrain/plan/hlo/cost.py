@@ -8,7 +8,8 @@ loop level, from `parse.multipliers`).
 (XLA:GPU compiling for GPUs that are not here).
 
 The counting rules (`_own_cost`): the FLOPs a Pallas kernel declares; 2mnk per dot and per cuBLAS
-GEMM or TPU ragged-dot custom call (XLA:GPU's dots, grouped matmuls); per
+GEMM, TPU ragged-dot or GPU grouped-matmul (models/grouped_gemm.py) custom call (XLA:GPU's dots,
+grouped matmuls, every row of their buffers); per
 convolution, 2 x batch x output features x input
 features x the (output, kernel) position pairs inside the input (the TPU compiler writes dots as
 convolutions); one FLOP per element of element-wise ops and reduce inputs (transcendentals are not
@@ -43,8 +44,8 @@ def loop_repeats_cost(program: str | Module) -> tuple[float, float]:
     fused = _fused(module)
     flops = nbytes = 0.0
     for name, comp in module.computations.items():
-        extra = with_trips[name] - once[name]
-        if extra > 0:
+        extra = with_trips[name] - once[name]  # -1 for a loop that runs zero times (parse.trip_count)
+        if extra:
             f, b = _own_cost(comp, module, name in fused)
             flops, nbytes = flops + extra * f, nbytes + extra * b
     return flops, nbytes
@@ -134,8 +135,8 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
 
 def matmul_flops_by_dtype(program: str | Module, count: bool = False) -> dict[str, float]:
     """Matmul FLOPs per device per step by operand type, loop trips counted: every dot, convolution
-    (the TPU compiler's dots), cuBLAS GEMM custom call and TPU grouped-matmul kernel (`ragged-dot`,
-    counted over all its rows, padding included), keyed by its operands' HLO type ("bf16",
+    (the TPU compiler's dots), cuBLAS GEMM custom call and TPU / GPU grouped-matmul kernel (`ragged-dot`,
+    models/grouped_gemm.py; counted over all its rows, padding included), keyed by its operands' HLO type ("bf16",
     "s8", "f8e4m3fn"; "f8e5m2xf8e4m3fn" when the two differ). The types are the compiled program's
     own, read from the instructions that define the operands. `count`: how many matmuls run instead."""
     module = as_module(program)
@@ -146,7 +147,8 @@ def matmul_flops_by_dtype(program: str | Module, count: bool = False) -> dict[st
         for ins in comp:
             flops = _matmul_flops(ins, shapes)
             if flops and mult[name]:
-                arrays = ins.operands[-2:] if ins.name.startswith("ragged-dot") else ins.operands[:2]
+                grouped = ins.name.startswith("ragged-dot") or _grouped_gemm_kind(ins)
+                arrays = ins.operands[-2:] if grouped else ins.operands[:2]
                 types = [_ARRAY_TYPE.match(shapes.get(o, "")) for o in arrays]
                 lhs, rhs = (t.group(1) if t else "?" for t in types)
                 out[lhs if lhs == rhs else f"{lhs}x{rhs}"] += (1 if count else flops) * mult[name]
@@ -177,11 +179,25 @@ def _matmul_flops(ins: Instr, shapes: dict[str, str]) -> float:
     elif ins.opcode == "custom-call" and ins.name.startswith("ragged-dot") and len(ins.operands) >= 2:
         # the TPU's grouped-matmul kernel: (rows, K) x (groups, K, N) -> (rows, N), its arrays last
         operands, contracting = ins.operands[-2:], ["1"]
+    elif (kind := _grouped_gemm_kind(ins)) == "dw":  # (rows, K) x (rows, N) -> (groups, K, N): over the rows
+        return 2.0 * math.prod(dims(ins.shape)[1:]) * (dims(shapes.get(ins.operands[-2], "")) or [0])[0]
+    elif kind:  # y, dx: (rows, K) x (groups, K, N) -> (rows, N), every row of the buffer
+        operands, contracting = ins.operands[-2:], ["1"]
     else:
         return 0.0
     lhs = dims(shapes.get(operands[0], ""))
     k = math.prod(lhs[int(d)] for d in contracting if d) if lhs else 0
     return 2.0 * math.prod(dims(ins.shape)) * k
+
+
+_GROUPED_GEMM = re.compile(r'op_name="[^"]*grouped_gemm_(y|dx|dw)\b')
+
+
+def _grouped_gemm_kind(ins: Instr) -> str | None:
+    """Which product of the GPU grouped-matmul kernels (models/grouped_gemm.py: Mosaic GPU custom
+    calls, named by their scope) an instruction is: y, dx, dw; None for any other."""
+    found = _GROUPED_GEMM.search(ins.line) if ins.opcode == "custom-call" and "mosaic_gpu" in ins.line else None
+    return found.group(1) if found and len(ins.operands) >= 2 else None
 
 
 def _tuple_elements(shape: str) -> list[str]:

@@ -9,7 +9,8 @@ multipliers, partition-id taint and conditional branches propagate from the entr
 
 A while loop's body runs its trip count times: XLA's `known_trip_count` where the compiler prints
 one (CPU, GPU), else read from a condition `counter < N` whose counter starts at a constant (the
-TPU compiler prints none).
+TPU compiler prints none). The MoE dispatch's overflow rounds (named scope `moe_overflow_rounds`,
+models/moe.py) run zero times: the plan is for routing within the receive buffer.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _CALLEES = re.compile(r"\b(body|condition|to_apply|calls|branch_computations|cal
                       r"(\{[^}]*\}|%[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _FUSION_CALLEE = re.compile(r"calls=%([\w.\-]+)")
+_OVERFLOW = "/moe_overflow_rounds/"  # models/moe.py's OVERFLOW_SCOPE: rounds that balanced routing does not run
 
 
 @dataclasses.dataclass
@@ -166,13 +168,15 @@ def multipliers(module: Module, trips: bool = True) -> dict[str, int]:
         for ins in comp:
             trip = trip_count(ins, comp, module)
             for key, callee in callees(ins):
-                mult[callee] += mult[name] * (trip if (trips and trip and key == "body") else 1)
+                mult[callee] += mult[name] * (trip if (trips and trip is not None and key == "body") else 1)
     return mult
 
 
 def trip_count(ins: Instr, caller: list[Instr], module: Module) -> int | None:
     """Iterations of a while loop: XLA's known_trip_count, else counted from its condition; None
     for any other instruction and for loops whose count the text does not give."""
+    if ins.opcode == "while" and _OVERFLOW in ins.line:
+        return 0
     known = _TRIP.search(ins.line)
     return int(known.group(1)) if known else _counted_trips(ins, caller, module)
 
