@@ -30,7 +30,7 @@ from shardtrain import optim
 from shardtrain.config import ConfigError, RunConfig
 from shardtrain.data import loader
 from shardtrain.loss import n_chunks, weighted_cross_entropy_sum
-from shardtrain.parallel import comm, pipeline, sharding
+from shardtrain.parallel import comm, pipeline, schedules, sharding
 from shardtrain.parallel.blocks import scan_runner
 
 
@@ -148,8 +148,11 @@ def pipeline_schedule(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain)
     return pipeline.check(cfg, mesh)
 
 
-def blocks_runner(cfg: RunConfig, mesh: Mesh, schedule: pipeline.Schedule | None) -> Callable:
-    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: the pipeline of `schedule`, or without one a scan."""
+def blocks_runner(cfg: RunConfig, mesh: Mesh, schedule: pipeline.Schedule | None) -> Callable | None:
+    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: the pipeline of `schedule`, or without one a scan;
+    None for an explicit schedule (it runs embedding, blocks and head itself: `loss_sums_fn`)."""
+    if schedule is not None and schedule.explicit:
+        return None
     return scan_runner(cfg) if schedule is None else pipeline.runner(cfg, mesh, schedule)
 
 
@@ -205,16 +208,21 @@ def fresh_state_fn(tx: optax.GradientTransformation) -> Callable:
     return fresh_state
 
 
-def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callable | None = None) -> Callable:
+def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable | None, reorder: Callable | None = None,
+                 pipelined: Callable | None = None) -> Callable:
     """(params, batch) -> (summed next-token cross-entropy over the counted positions, their number,
     the auxiliary losses the model reports: a dict, e.g. an MoE router's), computed in
     train.compute_dtype: embed -> run_blocks -> head (packed documents: see `unpack`). `reorder`
-    (`context_order`) is applied to every field of the batch, positions included."""
+    (`context_order`) is applied to every field of the batch, positions included. `pipelined`
+    (an explicit pipeline schedule, schedules.loss_sums) replaces embed -> run_blocks -> head."""
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
 
     def loss_sums(params, batch):
-        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
         inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
+        if pipelined is not None:
+            docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
+            return pipelined(params, inputs_bt, targets_bt, weights_bt, docs), weights_bt.sum(), {}
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
         if reorder is not None:  # context parallelism: every field in the load-balanced order
             if positions_bt is None:
                 positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
@@ -329,7 +337,8 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     tx = optim.make(cfg, layout.names)
     shardings = state_shardings(cfg, mesh, tx, layout)                                        # 2
     batch = batch_sharding(cfg, mesh)
-    loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder)                       # 3
+    pipelined = schedules.loss_sums(cfg, mesh, schedule, layout.graphdef) if run_blocks is None else None
+    loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder, pipelined)            # 3
     loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)
     fresh, update = fresh_state_fn(tx), update_fn(cfg, tx, nan_at)                            # 4
 
@@ -338,7 +347,7 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
 
     def replica_loss_and_grads(replica_constrain):  # comm.py: a replica's activations leave out its axes,
         graphdef = nnx.split(sharding.abstract_model(cfg, replica_constrain))[0]  # so its own model
-        return make_loss_and_grads(cfg, loss_sums_fn(cfg, graphdef, run_blocks, reorder), replica_constrain)
+        return make_loss_and_grads(cfg, loss_sums_fn(cfg, graphdef, run_blocks, reorder, pipelined), replica_constrain)
 
     if comm.enabled(cfg) and cfg.model.moe.n_experts > 1 and cfg.model.moe.router == "sigmoid":
         raise ConfigError("model.moe.router=sigmoid (its balancing bias moves by the step's load) does not combine "
