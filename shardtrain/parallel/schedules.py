@@ -83,6 +83,7 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef):
     run_group = scan_runner(cfg)
     batch_axes = sharding.spec_for(("batch",), cfg.rules, mesh)[0]
     split_w = schedule.name == "zero_bubble"
+    vocab_split = sharding.Constrain(cfg.rules, mesh).size("vocab") > 1
     fwd_ring = [(i, (i + 1) % stages) for i in range(stages)]
     bwd_ring = [((i + 1) % stages, i) for i in range(stages)]
 
@@ -99,7 +100,8 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef):
         data = {"inputs": micro(inputs_bt), "targets": micro(targets_bt), "weights": micro(weights_bt),
                 "docs": {k: micro(d) for k, d in docs.items()}}
         d_staged, d_outer, total = jax.shard_map(
-            functools.partial(_run, table, graphdef, run_group, cfg, compute_dtype, split_w, fwd_ring, bwd_ring, last),
+            functools.partial(_run, table, graphdef, run_group, cfg, compute_dtype, split_w, vocab_split, fwd_ring,
+                              bwd_ring, last),
             mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS), P(), P()), axis_names={AXIS},
             check_vma=False)(staged, outer, data)
         d_blocks = jax.tree.map(lambda g, w: g.swapaxes(0, 1).reshape(w.shape).astype(w.dtype), d_staged, blocks)
@@ -124,7 +126,8 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef):
     return total
 
 
-def _run(table, graphdef, run_group, cfg, compute_dtype, split_w, fwd_ring, bwd_ring, last, staged, outer, data):
+def _run(table, graphdef, run_group, cfg, compute_dtype, split_w, vocab_split, fwd_ring, bwd_ring, last,
+         staged, outer, data):
     """One stage's part of the schedule (inside shard_map): (its blocks' gradients (1, v, Lg, ...),
     the embedding/head gradients summed over stages, the loss sum)."""
     staged = jax.tree.map(lambda w: w[0].astype(compute_dtype), staged)  # (v, Lg, ...) on this stage
@@ -144,7 +147,8 @@ def _run(table, graphdef, run_group, cfg, compute_dtype, split_w, fwd_ring, bwd_
         head = model.head
         if n_chunks(x_btd.shape[1], cfg.train.loss_chunk) > 1:
             head = functools.partial(model.head, unembed_dv=model.unembedding())
-        return weighted_cross_entropy_sum(head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk)
+        return weighted_cross_entropy_sum(head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk,
+                                          one_hot=vocab_split)
 
     take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
     group0 = take(staged, 0)

@@ -40,6 +40,15 @@ def assert_step_matches(reference, prog, tol=1e-5):
 
 @pytest.mark.parametrize("schedule,mesh_overrides,extra", [
     ("1f1b", ("mesh.pipeline=4", "mesh.data=2"), ("train.pipeline.microbatches=4",)),
+    ("1f1b", ("mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2"), ("train.pipeline.microbatches=4",
+                                                                    "train.grad_accum_steps=2")),
+    ("zero_bubble", ("mesh.pipeline=4", "mesh.data=2"), ("train.pipeline.microbatches=2",
+                                                         "train.grad_accum_steps=2")),
+    ("zero_bubble", ("mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2"), ("train.pipeline.microbatches=8",)),
+    ("interleaved_1f1b", ("mesh.pipeline=4", "mesh.data=2"), ("train.pipeline.microbatches=4",
+                                                              "train.pipeline.repeats=2")),
+    ("interleaved_1f1b", ("mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2"), (
+        "train.pipeline.microbatches=4", "train.pipeline.repeats=2", "train.grad_accum_steps=2")),
 ])
 def test_schedule_matches_plain(gpt_reference, schedule, mesh_overrides, extra):
     prog = build("gpt", *mesh_overrides, f"train.pipeline.schedule={schedule}", *extra)
