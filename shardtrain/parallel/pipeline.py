@@ -135,7 +135,7 @@ def runner(cfg: RunConfig, mesh: Mesh, schedule: Schedule | None = None):
     by `schedule` (default: `check(cfg, mesh)`). Packed documents (`docs`: segment_ids_bt,
     positions_bt) are cut into the same micro-batches, held by every stage, and stage p reads those
     of the micro-batch it is working on."""
-    stages, v, m_count = schedule or check(cfg, mesh)
+    stages, v, m_count = (schedule or check(cfg, mesh))[:3]
     group = cfg.model.n_layers // (stages * v)
     run_group = scan_runner(cfg)
     ring = [(i, (i + 1) % stages) for i in range(stages)]
