@@ -145,7 +145,13 @@ def pipeline_schedule(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain)
     if cfg.model.moe.n_experts > 1 or constrain.size("seq") > 1:
         raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.moe.n_experts > 1) or context "
                           "parallelism (mesh.context > 1) yet; use mesh.pipeline=1")
-    return pipeline.check(cfg, mesh)
+    schedule = pipeline.check(cfg, mesh)
+    if schedule.explicit and comm.enabled(cfg):
+        raise ConfigError(f"train.pipeline.schedule={schedule.name} does not combine with train.comm.grad_reduce_dtype "
+                          "/ train.comm.sync (compressed reduction, local SGD) yet: comm.py differentiates each "
+                          "replica's loss inside its own shard_map, where the schedule's shard_map over the whole mesh "
+                          "cannot run; use train.pipeline.schedule=gpipe or circular")
+    return schedule
 
 
 def blocks_runner(cfg: RunConfig, mesh: Mesh, schedule: pipeline.Schedule | None) -> Callable | None:
