@@ -46,12 +46,12 @@ P4_D2, P2_F2_T2 = ("mesh.pipeline=4", "mesh.data=2"), ("mesh.pipeline=2", "mesh.
     ("1f1b", P4_D2, ("train.pipeline.microbatches=4",)),
     ("1f1b", P2_F2_T2, ("train.pipeline.microbatches=4", "train.grad_accum_steps=2")),
     ("zero_bubble", P4_D2, ("train.pipeline.microbatches=2", "train.grad_accum_steps=2")),
-    ("zero_bubble", P2_F2_T2, ("train.pipeline.microbatches=8",)),
-    ("interleaved_1f1b", P4_D2, ("train.pipeline.microbatches=4", "train.pipeline.repeats=2")),
     ("interleaved_1f1b", P2_F2_T2, ("train.pipeline.microbatches=4", "train.pipeline.repeats=2",
                                     "train.grad_accum_steps=2")),
 ])
 def test_schedule_matches_plain(gpt_reference, schedule, mesh_overrides, extra):
+    """(zero_bubble on pipeline 2 x fsdp 2 x tensor 2 and interleaved_1f1b on pipeline 4 x data 2 pass too; left
+    out for time: the acceptance script trains each schedule on the latter against the plain run.)"""
     prog = build("gpt", *mesh_overrides, f"train.pipeline.schedule={schedule}", *extra)
     assert_step_matches(gpt_reference, prog)
 
