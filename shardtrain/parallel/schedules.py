@@ -73,6 +73,51 @@ class _Residuals:
         return jax.tree.unflatten(self.treedef, [next(held) if h else next(known) for h in self.held_mask])
 
 
+class _WeightSplit:
+    """Zero-bubble's backward in two, split by data dependence: B computes the input cotangent (and
+    the weight gradients that come with it), W the other weight gradients. The held residuals the
+    input cotangent does not need (a matmul's input, needed only for its weight's gradient) are
+    `deferred`: everything computed from them goes to W, and what W needs of B's work (the
+    cotangents inside the layers) B returns (`w_avals`), held until W; nothing is computed twice."""
+
+    def __init__(self, residuals: _Residuals, params, ct_aval):
+        def backward(params, held, ct):
+            d_params, d_x, _ = residuals.vjp_fn(params, held)(ct)
+            return d_params, d_x
+        held_avals = residuals.held_avals()
+        closed = jax.make_jaxpr(backward)(params, held_avals, ct_aval)
+        n_params, n_held = len(jax.tree.leaves(params)), len(held_avals)
+
+        def unknowns(deferred):
+            return [False] * n_params + [i in deferred for i in range(n_held)] + [False]
+        self.deferred: list[int] = []
+        for i in range(n_held):  # defer each residual the input cotangent can do without
+            if not pe.partial_eval_jaxpr_nounits(closed, unknowns({*self.deferred, i}), instantiate=False)[2][-1]:
+                self.deferred.append(i)
+        known, unknown, self.out_unknown, self.w_avals = pe.partial_eval_jaxpr_nounits(
+            closed, unknowns(set(self.deferred)), instantiate=False)
+        self._known, self._unknown = jax.extend.core.jaxpr_as_fun(known), jax.extend.core.jaxpr_as_fun(unknown)
+        self.d_params_tree = jax.tree.structure(params)
+
+    def input_grad(self, params, held, ct):
+        """(input cotangent, the weight gradients B computes (zeros for W's), what W needs)."""
+        kept = [h for i, h in enumerate(held) if i not in self.deferred]
+        outs = self._known(*jax.tree.leaves(params), *kept, ct)
+        n_known = self.out_unknown.count(False)
+        known_outs, w_inputs = iter(outs[:n_known]), outs[n_known:]
+        leaves = [None if unknown else next(known_outs) for unknown in self.out_unknown]
+        zeros = [jnp.zeros(p.shape, p.dtype) for p in jax.tree.leaves(params)]
+        d_params = [z if d is None else d for d, z in zip(leaves[:-1], zeros)]
+        return leaves[-1], jax.tree.unflatten(self.d_params_tree, d_params), w_inputs
+
+    def weight_grad(self, params, held, w_inputs):
+        """The weight gradients W computes (zeros for B's)."""
+        outs = iter(self._unknown(*w_inputs, *[held[i] for i in self.deferred]))
+        d_params = [next(outs) if unknown else jnp.zeros(p.shape, p.dtype)
+                    for unknown, p in zip(self.out_unknown[:-1], jax.tree.leaves(params))]
+        return jax.tree.unflatten(self.d_params_tree, d_params)
+
+
 def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef):
     """(params, inputs_bt, targets_bt, weights_bt, docs) -> the summed weighted token loss, its
     gradient by `schedule`'s timetable (module docstring)."""
@@ -159,8 +204,12 @@ def _run(table, graphdef, run_group, cfg, compute_dtype, split_w, vocab_split, f
 
     x_aval = jax.eval_shape(embed, outer_c, data["inputs"][0])
     docs0 = take(data["docs"], 0)
-    residuals = _Residuals(blocks_fn, group0, jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype), docs0)
-    zeros = lambda avals, *lead: [jnp.zeros((*lead, *a.shape), a.dtype) for a in avals]  # noqa: E731
+    x_spec = jax.ShapeDtypeStruct(x_aval.shape, x_aval.dtype)
+    residuals = _Residuals(blocks_fn, group0, x_spec, docs0)
+    split = _WeightSplit(residuals, group0, x_spec) if split_w else None
+    # held per micro-batch: the forward's residuals, then (zero-bubble) what B leaves for W
+    n_res = len(residuals.held_avals())
+    held_avals = [*residuals.held_avals(), *(split.w_avals if split else [])]
     x_zero = jnp.zeros(x_aval.shape, x_aval.dtype)
 
     def f32_zeros(tree):
@@ -182,22 +231,33 @@ def _run(table, graphdef, run_group, cfg, compute_dtype, split_w, vocab_split, f
                 total = total + value
                 d_outer = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), d_outer, d_head)
                 out = x_zero
-            return out, x_zero, residuals.held(vjp_fn), ct_out.astype(x_zero.dtype), d_staged, d_outer, total
+            return (out, x_zero, [*residuals.held(vjp_fn), *held[n_res:]], ct_out.astype(x_zero.dtype), d_staged,
+                    d_outer, total)
         return run
 
-    def backward(first, weights, inputs):
+    def add_group(d_staged, r, d_group):
+        return jax.tree.map(lambda a, b: a.at[r].add(b.astype(jnp.float32)), d_staged, d_group)
+
+    def backward(first):
         def run(r, m, x_in, ct_in, held, d_staged, d_outer, total):
-            d_group, d_x, _ = residuals.vjp_fn(take(staged, r), held)(ct_in)
-            if weights:
-                d_staged = jax.tree.map(lambda a, b: a.at[r].add(b.astype(jnp.float32)), d_staged, d_group)
-            if first and inputs:  # the embedding's backward
+            if split is None:
+                d_group, d_x, _ = residuals.vjp_fn(take(staged, r), held)(ct_in)
+            else:  # zero-bubble: the input cotangent now, most weight gradients at W
+                d_x, d_group, w_inputs = split.input_grad(take(staged, r), held[:n_res], ct_in)
+                held = [*held[:n_res], *w_inputs]
+            d_staged = add_group(d_staged, r, d_group)
+            if first:  # the embedding's backward
                 d_embed = jax.vjp(lambda o: embed(o, data["inputs"][m]), outer_c)[1](d_x)[0]
                 d_outer = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), d_outer, d_embed)
-            return x_zero, (d_x if inputs and not first else x_zero), held, x_zero, d_staged, d_outer, total
+            return x_zero, (x_zero if first else d_x), held, x_zero, d_staged, d_outer, total
         return run
 
-    branches = [idle, forward(False, False), forward(True, False), forward(False, True),
-                backward(False, not split_w, True), backward(True, not split_w, True), backward(False, True, False)]
+    def weight(r, m, x_in, ct_in, held, d_staged, d_outer, total):
+        d_staged = add_group(d_staged, r, split.weight_grad(take(staged, r), held[:n_res], held[n_res:]))
+        return x_zero, x_zero, held, x_zero, d_staged, d_outer, total
+
+    branches = [idle, forward(False, False), forward(True, False), forward(False, True), backward(False),
+                backward(True), weight if split else idle]  # by kind: timetable.IDLE ... W
     if last == 0:
         raise AssertionError("a single virtual stage is not a pipeline")
     kind_t, micro_t, repeat_t = (jnp.asarray(a) for a in (table.kind, table.micro, table.repeat))
@@ -223,13 +283,16 @@ def _run(table, graphdef, run_group, cfg, compute_dtype, split_w, vocab_split, f
         held = [h[r, w] for h in held_buf]
         out, d_x, new_held, ct_out, d_staged, d_outer, total = jax.lax.switch(
             kind, branches, r, m, acts[r, w], cts[r, w], held, d_staged, d_outer, total)
-        is_f = (kind == tt.F) | (kind == tt.F_FIRST) | (kind == tt.F_LAST)
-        held_buf = [h.at[r, w].set(jnp.where(is_f, n, h[r, w])) for h, n in zip(held_buf, new_held)]
+        writes = (kind == tt.F) | (kind == tt.F_FIRST) | (kind == tt.F_LAST)
+        if split is not None:  # B writes what it leaves for W
+            writes = writes | (kind == tt.B) | (kind == tt.B_FIRST)
+        held_buf = [h.at[r, w].set(jnp.where(writes, n, h[r, w])) for h, n in zip(held_buf, new_held)]
         cts = cts.at[r, w].set(jnp.where(kind == tt.F_LAST, ct_out, cts[r, w]))
         return (acts, cts, held_buf, out, d_x, d_staged, d_outer, total), None
 
     buf = jnp.zeros((v, window, *x_aval.shape), x_aval.dtype)
-    carry = (buf, buf, zeros(residuals.held_avals(), v, window), x_zero, x_zero,
+    held_buf = [jnp.zeros((v, window, *a.shape), a.dtype) for a in held_avals]
+    carry = (buf, buf, held_buf, x_zero, x_zero,
              f32_zeros(staged), f32_zeros(outer), jnp.zeros((), jnp.float32))
     carry = jax.lax.scan(slot, carry, jnp.arange(table.slots))[0]
     *_, d_staged, d_outer, total = carry
