@@ -238,13 +238,19 @@ def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable | None, reorder:
         docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
         out = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
         x_btd, aux = out if isinstance(out, tuple) else (out, {})
-        seq_shards = model.constrain.size("seq")
-        head = model.head
-        if n_chunks(x_btd.shape[1], cfg.train.loss_chunk, seq_shards) > 1:  # gathered once, not per chunk
-            head = functools.partial(model.head, unembed_dv=model.unembedding())
-        total = weighted_cross_entropy_sum(head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk, seq_shards)
-        return total, weights_bt.sum(), aux
+        return head_loss(cfg, model, x_btd, targets_bt, weights_bt), weights_bt.sum(), aux
     return loss_sums
+
+
+def head_loss(cfg: RunConfig, model, x_btd, targets_bt, weights_bt, one_hot: bool = False):
+    """The summed weighted cross-entropy of the model's head on the blocks' output x_btd, chunked by
+    train.loss_chunk (`loss.weighted_cross_entropy_sum`; `one_hot`: see `loss.cross_entropy`)."""
+    seq_shards = model.constrain.size("seq")
+    head = model.head
+    if n_chunks(x_btd.shape[1], cfg.train.loss_chunk, seq_shards) > 1:  # gathered once, not per chunk
+        head = functools.partial(model.head, unembed_dv=model.unembedding())
+    return weighted_cross_entropy_sum(head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk, seq_shards,
+                                      one_hot=one_hot)
 
 
 def loss_fn(cfg: RunConfig, loss_sums: Callable) -> Callable:
@@ -343,7 +349,8 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     tx = optim.make(cfg, layout.names)
     shardings = state_shardings(cfg, mesh, tx, layout)                                        # 2
     batch = batch_sharding(cfg, mesh)
-    pipelined = schedules.loss_sums(cfg, mesh, schedule, layout.graphdef) if run_blocks is None else None
+    pipelined = (schedules.loss_sums(cfg, mesh, schedule, layout.graphdef, functools.partial(head_loss, cfg))
+                 if run_blocks is None else None)
     loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder, pipelined)            # 3
     loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)
     fresh, update = fresh_state_fn(tx), update_fn(cfg, tx, nan_at)                            # 4

@@ -39,7 +39,6 @@ from jax._src.interpreters import partial_eval as pe  # no public API splits a j
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from shardtrain.config import RunConfig
-from shardtrain.loss import n_chunks, weighted_cross_entropy_sum
 from shardtrain.parallel import sharding, timetable as tt
 from shardtrain.parallel.blocks import scan_runner
 
@@ -118,9 +117,10 @@ class _WeightSplit:
         return jax.tree.unflatten(self.d_params_tree, d_params)
 
 
-def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef):
+def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef, head_loss):
     """(params, inputs_bt, targets_bt, weights_bt, docs) -> the summed weighted token loss, its
-    gradient by `schedule`'s timetable (module docstring)."""
+    gradient by `schedule`'s timetable (module docstring). `head_loss(model, x_btd, targets_bt,
+    weights_bt, one_hot)`: the loss of the model's head on the blocks' output (step.head_loss)."""
     stages, v, m_count = schedule.stages, schedule.repeats, schedule.microbatches
     table = tt.timetable(schedule.name, stages, m_count, v)
     group, last = cfg.model.n_layers // (stages * v), stages * v - 1
@@ -145,8 +145,8 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef):
         data = {"inputs": micro(inputs_bt), "targets": micro(targets_bt), "weights": micro(weights_bt),
                 "docs": {k: micro(d) for k, d in docs.items()}}
         d_staged, d_outer, total = jax.shard_map(
-            functools.partial(_run, table, graphdef, run_group, cfg, compute_dtype, split_w, vocab_split, fwd_ring,
-                              bwd_ring, last),
+            functools.partial(_run, table, graphdef, run_group, functools.partial(head_loss, one_hot=vocab_split),
+                              compute_dtype, split_w, fwd_ring, bwd_ring, last),
             mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS), P(), P()), axis_names={AXIS},
             check_vma=False)(staged, outer, data)
         d_blocks = jax.tree.map(lambda g, w: g.swapaxes(0, 1).reshape(w.shape).astype(w.dtype), d_staged, blocks)
@@ -171,7 +171,7 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef):
     return total
 
 
-def _run(table, graphdef, run_group, cfg, compute_dtype, split_w, vocab_split, fwd_ring, bwd_ring, last,
+def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fwd_ring, bwd_ring, last,
          staged, outer, data):
     """One stage's part of the schedule (inside shard_map): (its blocks' gradients (1, v, Lg, ...),
     the embedding/head gradients summed over stages, the loss sum)."""
@@ -188,12 +188,7 @@ def _run(table, graphdef, run_group, cfg, compute_dtype, split_w, vocab_split, f
         return model_of(outer_c, jax.tree.map(lambda w: w[0], staged)).embed(tokens_bt)
 
     def head_loss(outer_c, x_btd, targets_bt, weights_bt):
-        model = model_of(outer_c, jax.tree.map(lambda w: w[0], staged))
-        head = model.head
-        if n_chunks(x_btd.shape[1], cfg.train.loss_chunk) > 1:
-            head = functools.partial(model.head, unembed_dv=model.unembedding())
-        return weighted_cross_entropy_sum(head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk,
-                                          one_hot=vocab_split)
+        return model_head_loss(model_of(outer_c, jax.tree.map(lambda w: w[0], staged)), x_btd, targets_bt, weights_bt)
 
     take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
     group0 = take(staged, 0)
