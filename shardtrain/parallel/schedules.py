@@ -19,7 +19,8 @@ operation (`lax.switch`, so a stage's bubble computes nothing):
 - B: the backward from the held residuals and the received cotangent: its input cotangent goes to
   the previous stage; for 1F1B it also adds the weight gradient; on virtual stage 0 it is the
   embedding's backward.
-- W (zero-bubble): the weight gradient of a micro-batch whose B ran earlier, placed in the bubble.
+- W (zero-bubble): the weight gradient of a micro-batch whose B ran earlier, placed in the bubble;
+  B and W split the stage's backward by data dependence (`_WeightSplit`), so neither redoes the other.
 Each slot ends with two `ppermute`s: F's output to the next stage, B's input cotangent to the
 previous one; the receiver parks them in its buffers until the timetable uses them.
 
