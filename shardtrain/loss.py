@@ -17,9 +17,15 @@ import jax.numpy as jnp
 import optax
 
 
-def cross_entropy(logits_btv, targets_bt):
-    """Per-token cross-entropy (B, T), float32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+def cross_entropy(logits_btv, targets_bt, one_hot: bool = False):
+    """Per-token cross-entropy (B, T), float32. `one_hot`: the target's logit picked by a one-hot
+    product instead of a gather (inside a pipeline stage, XLA's CPU partitioner aborts on the gather
+    from vocabulary-split logits: spmd_partitioner_util.cc "Check failed: ... num_devices_per_group")."""
+    logits_btv = logits_btv.astype(jnp.float32)
+    if one_hot:
+        picked_bt = (jax.nn.one_hot(targets_bt, logits_btv.shape[-1], dtype=logits_btv.dtype) * logits_btv).sum(-1)
+        return jax.nn.logsumexp(logits_btv, axis=-1) - picked_bt
+    return optax.softmax_cross_entropy_with_integer_labels(logits_btv, targets_bt)
 
 
 def n_chunks(t: int, chunk: int, seq_shards: int = 1) -> int:
@@ -28,7 +34,8 @@ def n_chunks(t: int, chunk: int, seq_shards: int = 1) -> int:
     return 1 if chunk <= 0 or chunk >= local else local // chunk
 
 
-def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, chunk: int, seq_shards: int = 1):
+def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, chunk: int, seq_shards: int = 1,
+                               one_hot: bool = False):
     """`(cross_entropy(head(x_btd), targets_bt) * weights_bt).sum()` computed `chunk` positions at a
     time (0 or >= T: one chunk, the plain loss). `head` maps x_bcd -> logits_bcv for any length c.
 
@@ -44,7 +51,7 @@ def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, ch
     b, t = targets_bt.shape
     n = n_chunks(t, chunk, seq_shards)
     if n == 1:
-        return (cross_entropy(head(x_btd), targets_bt) * weights_bt).sum()
+        return (cross_entropy(head(x_btd), targets_bt, one_hot) * weights_bt).sum()
 
     def split(a):  # (B, T, ...) -> (N, B, S C, ...): chunk i holds positions s T/S + i C + (0..C-1) of every s
         a = a.reshape(b, seq_shards, n, chunk, *a.shape[2:])
@@ -52,27 +59,28 @@ def weighted_cross_entropy_sum(head: Callable, x_btd, targets_bt, weights_bt, ch
 
     x_nbcd = split(x_btd)
     head_with_params, params = jax.closure_convert(head, x_nbcd[0])  # its parameters become arguments
-    return _chunked_sum(head_with_params, x_nbcd, split(targets_bt), split(weights_bt), *params)
+    return _chunked_sum(head_with_params, one_hot, x_nbcd, split(targets_bt), split(weights_bt), *params)
 
 
-def _chunk_sum(head, x_bcd, params, y_bc, w_bc):
+def _chunk_sum(head, one_hot, x_bcd, params, y_bc, w_bc):
     """One chunk's weighted loss sum, `head` taking its parameters as arguments."""
-    return (cross_entropy(head(x_bcd, *params), y_bc) * w_bc).sum()
+    return (cross_entropy(head(x_bcd, *params), y_bc, one_hot) * w_bc).sum()
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_sum(head, x_nbcd, y_nbc, w_nbc, *params):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_sum(head, one_hot, x_nbcd, y_nbc, w_nbc, *params):
     def body(total, xyw):
         x_bcd, y_bc, w_bc = xyw
-        return total + _chunk_sum(head, x_bcd, params, y_bc, w_bc), None
+        return total + _chunk_sum(head, one_hot, x_bcd, params, y_bc, w_bc), None
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (x_nbcd, y_nbc, w_nbc))[0]
 
 
-def _chunked_sum_fwd(head, x_nbcd, y_nbc, w_nbc, *params):
+def _chunked_sum_fwd(head, one_hot, x_nbcd, y_nbc, w_nbc, *params):
     def body(carry, xyw):
         total, dparams = carry
         x_bcd, y_bc, w_bc = xyw
-        value, (dx_bcd, dchunk) = jax.value_and_grad(_chunk_sum, argnums=(1, 2))(head, x_bcd, params, y_bc, w_bc)
+        value, (dx_bcd, dchunk) = jax.value_and_grad(_chunk_sum, argnums=(2, 3))(
+            head, one_hot, x_bcd, params, y_bc, w_bc)
         return (total + value, jax.tree.map(jnp.add, dparams, dchunk)), dx_bcd
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -80,7 +88,7 @@ def _chunked_sum_fwd(head, x_nbcd, y_nbc, w_nbc, *params):
     return total, (dx_nbcd, dparams)
 
 
-def _chunked_sum_bwd(head, saved, g):
+def _chunked_sum_bwd(head, one_hot, saved, g):
     dx_nbcd, dparams = saved
     scale = lambda d: (d * g).astype(d.dtype)  # noqa: E731
     return (scale(dx_nbcd), None, None, *map(scale, dparams))

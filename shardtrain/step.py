@@ -31,7 +31,7 @@ from shardtrain import dpo, grpo, optim
 from shardtrain.config import ConfigError, RunConfig
 from shardtrain.data import loader, preference
 from shardtrain.loss import n_chunks, weighted_cross_entropy_sum
-from shardtrain.parallel import comm, pipeline, sharding
+from shardtrain.parallel import comm, pipeline, schedules, sharding
 from shardtrain.parallel.blocks import scan_runner
 
 
@@ -162,11 +162,20 @@ def pipeline_schedule(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain)
     if cfg.model.moe.n_experts > 1 or constrain.size("seq") > 1:
         raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.moe.n_experts > 1) or context "
                           "parallelism (mesh.context > 1) yet; use mesh.pipeline=1")
-    return pipeline.check(cfg, mesh)
+    schedule = pipeline.check(cfg, mesh)
+    if schedule.explicit and comm.enabled(cfg):
+        raise ConfigError(f"train.pipeline.schedule={schedule.name} does not combine with train.comm.grad_reduce_dtype "
+                          "/ train.comm.sync (compressed reduction, local SGD) yet: comm.py differentiates each "
+                          "replica's loss inside its own shard_map, where the schedule's shard_map over the whole mesh "
+                          "cannot run; use train.pipeline.schedule=gpipe or circular")
+    return schedule
 
 
-def blocks_runner(cfg: RunConfig, mesh: Mesh, schedule: pipeline.Schedule | None) -> Callable:
-    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: the pipeline of `schedule`, or without one a scan."""
+def blocks_runner(cfg: RunConfig, mesh: Mesh, schedule: pipeline.Schedule | None) -> Callable | None:
+    """`run_blocks(blocks, x_btd, **docs) -> x_btd`: the pipeline of `schedule`, or without one a scan;
+    None for an explicit schedule (it runs embedding, blocks and head itself: `loss_sums_fn`)."""
+    if schedule is not None and schedule.explicit:
+        return None
     return scan_runner(cfg) if schedule is None else pipeline.runner(cfg, mesh, schedule)
 
 
@@ -222,16 +231,21 @@ def fresh_state_fn(tx: optax.GradientTransformation) -> Callable:
     return fresh_state
 
 
-def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callable | None = None) -> Callable:
+def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable | None, reorder: Callable | None = None,
+                 pipelined: Callable | None = None) -> Callable:
     """(params, batch) -> (summed next-token cross-entropy over the counted positions, their number,
     the auxiliary losses the model reports: a dict, e.g. an MoE router's), computed in
     train.compute_dtype: embed -> run_blocks -> head (packed documents: see `unpack`). `reorder`
-    (`context_order`) is applied to every field of the batch, positions included."""
+    (`context_order`) is applied to every field of the batch, positions included. `pipelined`
+    (an explicit pipeline schedule, schedules.loss_sums) replaces embed -> run_blocks -> head."""
     compute_dtype = jnp.dtype(cfg.train.compute_dtype)
 
     def loss_sums(params, batch):
-        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
         inputs_bt, targets_bt, segment_ids_bt, positions_bt, weights_bt = unpack(batch)
+        if pipelined is not None:
+            docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
+            return pipelined(params, inputs_bt, targets_bt, weights_bt, docs), weights_bt.sum(), {}
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
         if reorder is not None:  # context parallelism: every field in the load-balanced order
             if positions_bt is None:
                 positions_bt = jnp.broadcast_to(jnp.arange(inputs_bt.shape[1]), inputs_bt.shape)
@@ -241,13 +255,19 @@ def loss_sums_fn(cfg: RunConfig, graphdef, run_blocks: Callable, reorder: Callab
         docs = {k: v for k, v in (("segment_ids", segment_ids_bt), ("positions", positions_bt)) if v is not None}
         out = run_blocks(model.blocks, model.embed(inputs_bt), **docs)
         x_btd, aux = out if isinstance(out, tuple) else (out, {})
-        seq_shards = model.constrain.size("seq")
-        head = model.head
-        if n_chunks(x_btd.shape[1], cfg.train.loss_chunk, seq_shards) > 1:  # gathered once, not per chunk
-            head = functools.partial(model.head, unembed_dv=model.unembedding())
-        total = weighted_cross_entropy_sum(head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk, seq_shards)
-        return total, weights_bt.sum(), aux
+        return head_loss(cfg, model, x_btd, targets_bt, weights_bt), weights_bt.sum(), aux
     return loss_sums
+
+
+def head_loss(cfg: RunConfig, model, x_btd, targets_bt, weights_bt, one_hot: bool = False):
+    """The summed weighted cross-entropy of the model's head on the blocks' output x_btd, chunked by
+    train.loss_chunk (`loss.weighted_cross_entropy_sum`; `one_hot`: see `loss.cross_entropy`)."""
+    seq_shards = model.constrain.size("seq")
+    head = model.head
+    if n_chunks(x_btd.shape[1], cfg.train.loss_chunk, seq_shards) > 1:  # gathered once, not per chunk
+        head = functools.partial(model.head, unembed_dv=model.unembedding())
+    return weighted_cross_entropy_sum(head, x_btd, targets_bt, weights_bt, cfg.train.loss_chunk, seq_shards,
+                                      one_hot=one_hot)
 
 
 def loss_fn(cfg: RunConfig, loss_sums: Callable) -> Callable:
@@ -374,7 +394,9 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     tx = optim.make(cfg, layout.names)
     shardings = state_shardings(cfg, mesh, tx, layout)                                        # 2
     batch = batch_sharding(cfg, mesh)
-    loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder)                       # 3
+    pipelined = (schedules.loss_sums(cfg, mesh, schedule, layout.graphdef, functools.partial(head_loss, cfg))
+                 if run_blocks is None else None)
+    loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder, pipelined)            # 3
     loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)
     fresh, update = fresh_state_fn(tx), update_fn(cfg, tx, nan_at)                            # 4
 
@@ -387,7 +409,7 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
 
     def replica_loss_and_grads(replica_constrain):  # comm.py: a replica's activations leave out its axes,
         graphdef = nnx.split(sharding.abstract_model(cfg, replica_constrain))[0]  # so its own model
-        return make_loss_and_grads(cfg, loss_sums_fn(cfg, graphdef, run_blocks, reorder), replica_constrain)
+        return make_loss_and_grads(cfg, loss_sums_fn(cfg, graphdef, run_blocks, reorder, pipelined), replica_constrain)
 
     if comm.enabled(cfg) and cfg.model.moe.n_experts > 1 and cfg.model.moe.router == "sigmoid":
         raise ConfigError("model.moe.router=sigmoid (its balancing bias moves by the step's load) does not combine "

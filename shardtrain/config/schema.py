@@ -202,14 +202,18 @@ class PipelineConfig:
     """The pipeline schedule over mesh.pipeline stages (shardtrain/parallel/pipeline.py); used only when
     mesh.pipeline > 1."""
 
-    schedule: Literal["gpipe", "circular"] = "gpipe"
+    schedule: Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"] = "gpipe"
     """`gpipe`: one contiguous group of layers per stage; `circular`: `repeats` non-adjacent
-    groups per stage (bubble (P-1)/(repeats*M+P-1), needs M >= stages)."""
+    groups per stage (bubble (P-1)/(repeats*M+P-1), needs M >= stages); both keep every
+    micro-batch's activations. `1f1b`: GPipe's layout, each micro-batch's backward as early as
+    possible (a stage holds at most P micro-batches' activations); `interleaved_1f1b`: 1F1B over
+    circular's layout (M a multiple of P); `zero_bubble`: 1F1B with each backward split into its
+    input and weight gradients, the weight gradients run in the bubble (ZB-H1)."""
     microbatches: Optional[int] = None
     """Pipeline micro-batches M per (accumulation) step; default: the largest M <= 4 x pipeline
     stages that divides each data replica's rows."""
     repeats: int = 1
-    """Circular schedule: groups of layers per stage (divides the bubble by this)."""
+    """Circular and interleaved_1f1b schedules: groups of layers per stage (divides the bubble by this)."""
 
 
 @dataclass(frozen=True)

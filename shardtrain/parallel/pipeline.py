@@ -31,14 +31,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from shardtrain.config import ConfigError, RunConfig
-from shardtrain.parallel import sharding
+from shardtrain.parallel import sharding, timetable
 from shardtrain.parallel.blocks import scan_runner
 
 AXIS = "pipeline"
 
 
 def _repeats(cfg: RunConfig) -> int:
-    return cfg.train.pipeline.repeats if cfg.train.pipeline.schedule == "circular" else 1
+    return cfg.train.pipeline.repeats if cfg.train.pipeline.schedule in ("circular", "interleaved_1f1b") else 1
 
 
 def _rows_per_replica(cfg: RunConfig, mesh: Mesh) -> int:
@@ -65,11 +65,31 @@ class Schedule(NamedTuple):
     """v: groups of layers per stage (1: GPipe; > 1: circular)."""
     microbatches: int
     """M: the micro-batches each data replica's rows are cut into."""
+    name: str = "gpipe"
+    """train.pipeline.schedule: `gpipe` / `circular` (autodiff through the loop, here) or one of
+    `timetable.SCHEDULES` (explicit forwards and backwards, schedules.py)."""
+
+    @property
+    def explicit(self) -> bool:
+        """Built by schedules.py from a timetable (1F1B, interleaved 1F1B, zero-bubble)."""
+        return self.name in timetable.SCHEDULES
 
     @property
     def bubble_fraction(self) -> float:
-        """Ideal idle fraction of the schedule: (P - 1) / (v M + P - 1)."""
+        """Ideal idle fraction of the schedule: (P - 1) / (v M + P - 1) for GPipe and circular; the
+        timetable's idle slots for the explicit schedules (every F, B and W one slot)."""
+        if self.explicit:
+            return self.timetable().bubble_fraction()
         return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
+
+    def timetable(self) -> timetable.Timetable:
+        return timetable.timetable(self.name, self.stages, self.microbatches, self.repeats)
+
+    @property
+    def live_microbatches(self) -> int:
+        """The most micro-batches whose activations one stage holds at once: all M (times v) for
+        GPipe and circular, the timetable's bound for the explicit schedules."""
+        return self.timetable().live if self.explicit else self.repeats * self.microbatches
 
 
 def check(cfg: RunConfig, mesh: Mesh) -> Schedule:
@@ -95,10 +115,14 @@ def check(cfg: RunConfig, mesh: Mesh) -> Schedule:
             f"train.pipeline.microbatches={m} must divide the {rows} rows per data replica (train.global_batch_size="
             f"{t.global_batch_size} / train.grad_accum_steps={t.grad_accum_steps} = {batch}, split "
             f"{batch // max(rows, 1)} ways by rules.batch); choose a divisor of {rows}")
+    name = t.pipeline.schedule
     if v > 1 and m < stages:
-        raise ConfigError(f"train.pipeline.microbatches={m} must be >= mesh.pipeline={stages} for the circular "
+        raise ConfigError(f"train.pipeline.microbatches={m} must be >= mesh.pipeline={stages} for the {name} "
                           f"schedule; raise train.pipeline.microbatches or train.global_batch_size")
-    return Schedule(stages, v, m)
+    if name == "interleaved_1f1b" and m % stages:
+        raise ConfigError(f"train.pipeline.microbatches={m} must be a multiple of mesh.pipeline={stages} for the "
+                          f"interleaved_1f1b schedule (it runs P micro-batches per repeat at a time)")
+    return Schedule(stages, v, m, name)
 
 
 def bubble_fraction(cfg: RunConfig, mesh: Mesh) -> float:
@@ -111,7 +135,7 @@ def runner(cfg: RunConfig, mesh: Mesh, schedule: Schedule | None = None):
     by `schedule` (default: `check(cfg, mesh)`). Packed documents (`docs`: segment_ids_bt,
     positions_bt) are cut into the same micro-batches, held by every stage, and stage p reads those
     of the micro-batch it is working on."""
-    stages, v, m_count = schedule or check(cfg, mesh)
+    stages, v, m_count = (schedule or check(cfg, mesh))[:3]
     group = cfg.model.n_layers // (stages * v)
     run_group = scan_runner(cfg)
     ring = [(i, (i + 1) % stages) for i in range(stages)]

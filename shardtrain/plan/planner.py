@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import threading
@@ -46,7 +47,7 @@ import jax
 
 from shardtrain import chips as chips_lib, step as step_lib
 from shardtrain.config import MESH_AXES, ConfigError, HardwareConfig, RunConfig, validate_hardware
-from shardtrain.parallel import comm, mesh as mesh_lib, sharding
+from shardtrain.parallel import comm, mesh as mesh_lib, sharding, timetable
 from shardtrain.plan import hlo, topology
 
 # ----------------------------------------------------------------------------- chips and devices
@@ -95,11 +96,23 @@ def plan_devices(n: int) -> list:
 
 def pipeline_schedule(prog: step_lib.Program) -> dict | None:
     """The trainer's schedule, as its build made it (`prog.schedule`; the planner only reads it)."""
-    s, t = prog.schedule, prog.cfg.train
+    s = prog.schedule
     if s is None:
         return None
-    return {"schedule": t.pipeline.schedule, "stages": s.stages, "microbatches": s.microbatches,
-            "repeats": t.pipeline.repeats, "bubble_fraction": s.bubble_fraction}
+    return {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches,
+            "repeats": s.repeats, "bubble_fraction": s.bubble_fraction, "live_microbatches": s.live_microbatches}
+
+
+def branch_weights(prog: step_lib.Program) -> list[dict[int, tuple[float, ...]] | None]:
+    """For an explicit pipeline schedule (schedules.py), per stage: the share of the schedule loop's
+    slots that each operation's branch of its `lax.switch` runs on that stage (its timetable; the
+    HLO conditional with that many branches), so that a stage's idle slots cost nothing and the
+    FLOPs are the busiest stage's; [None] otherwise (every branch counts each time)."""
+    s = prog.schedule
+    if s is None or not s.explicit:
+        return [None]
+    kind, n = s.timetable().kind, timetable.W + 1
+    return [{n: tuple(float((kind[:, p] == k).mean()) for k in range(n))} for p in range(s.stages)]
 
 
 def compute_seconds(flops_dev: float, model_flops_dev: float, flops_by_dtype: dict[str, float],
@@ -234,9 +247,10 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     platform = mesh.devices.flat[0].platform
     text = compiled.as_text()
     module = hlo.parse_module(text)
-    loop_flops, loop_bytes = hlo.loop_repeats_cost(module)
+    busiest = functools.partial(max, key=lambda flops_bytes: flops_bytes[0])  # the busiest pipeline stage
+    loop_flops, loop_bytes = busiest(hlo.loop_repeats_cost(module, w) for w in branch_weights(prog))
     if cost is None or platform == "gpu":  # XLA:GPU: none compile-only; on GPUs its bytes are too many
-        cost, (loop_flops, loop_bytes) = {}, hlo.program_cost(module)
+        cost, (loop_flops, loop_bytes) = {}, busiest(hlo.program_cost(module, w) for w in branch_weights(prog))
     optimal_s = cost.get("optimal_seconds")  # the TPU cost model's step time (its loop bodies counted once)
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
     flops_by_dtype = hlo.matmul_flops_by_dtype(module)

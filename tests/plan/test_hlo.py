@@ -80,6 +80,19 @@ def test_loop_runs_read_from_the_condition_or_from_xla_known_trip_count():
     assert nbytes > 0 and hlo.loop_repeats_cost(overflow) == (-flops, -nbytes)  # that one run taken back
 
 
+def test_branch_weights_give_each_branch_its_share_of_a_conditionals_runs():
+    """An explicit pipeline schedule's `lax.switch` (a conditional of n branches): each branch runs
+    its timetable share of the conditional's runs, not every time."""
+    switch = MODULE.replace("%c = pred[] parameter(1)", "%c = s32[] parameter(1)").replace(
+        "conditional(pred[] %c, f32[1024] %y, f32[1024] %y), true_computation=%on, false_computation=%off",
+        "conditional(s32[] %c, f32[1024] %y, f32[1024] %y), branch_computations={%on, %off}")
+    module = hlo.parse_module(switch)
+    assert (hlo.multipliers(module)["on"], hlo.multipliers(module)["off"]) == (1, 1)
+    runs = hlo.multipliers(module, branch_weights={2: (0.25, 0.75)})
+    assert (runs["on"], runs["off"], runs["body"]) == (0.25, 0.75, 4)
+    assert hlo.multipliers(module, branch_weights={3: (0.25, 0.5, 0.25)})["on"] == 1  # another branch count
+
+
 def test_collectives_are_counted_per_run_and_attributed_to_the_axes_their_groups_span():
     rows = hlo.collectives(MODULE, MESH)
     assert [(c.computation, c.kind, c.bytes, c.count, c.group_size, c.axes) for c in rows] == [

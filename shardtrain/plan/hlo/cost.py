@@ -35,12 +35,13 @@ _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "
                 "and", "or", "xor", "not", "clamp", "sign", "floor", "ceil", "remainder"}
 
 
-def loop_repeats_cost(program: str | Module) -> tuple[float, float]:
+def loop_repeats_cost(program: str | Module, branch_weights: dict[int, tuple[float, ...]] | None = None
+                      ) -> tuple[float, float]:
     """(FLOPs, bytes) per device that `compiled.cost_analysis()` leaves out, from the optimized HLO
     (its text or the parsed Module): every computation's own cost times the extra runs that its
-    loops' trip counts give it."""
+    loops' trip counts give it (`branch_weights`: see `parse.multipliers`)."""
     module = as_module(program)
-    with_trips, once = multipliers(module), multipliers(module, trips=False)
+    with_trips, once = multipliers(module, branch_weights=branch_weights), multipliers(module, trips=False)
     fused = _fused(module)
     flops = nbytes = 0.0
     for name, comp in module.computations.items():
@@ -51,11 +52,12 @@ def loop_repeats_cost(program: str | Module) -> tuple[float, float]:
     return flops, nbytes
 
 
-def program_cost(program: str | Module) -> tuple[float, float]:
+def program_cost(program: str | Module, branch_weights: dict[int, tuple[float, ...]] | None = None
+                 ) -> tuple[float, float]:
     """(FLOPs, bytes) per device of the whole program: every computation's own cost times the runs
-    its callers and loops give it."""
+    its callers and loops give it (`branch_weights`: see `parse.multipliers`)."""
     module = as_module(program)
-    runs = multipliers(module)
+    runs = multipliers(module, branch_weights=branch_weights)
     fused = _fused(module)
     flops = nbytes = 0.0
     for name, comp in module.computations.items():

@@ -157,9 +157,12 @@ def fusion_callee(ins: Instr) -> str:
 # ----------------------------------------------------------------------------- call graph
 
 
-def multipliers(module: Module, trips: bool = True) -> dict[str, int]:
+def multipliers(module: Module, trips: bool = True, branch_weights: dict[int, tuple[float, ...]] | None = None
+                ) -> dict[str, float]:
     """How many times each computation runs per execution of the entry computation (with
-    trips=False: loop bodies once, as `cost_analysis()` counts them)."""
+    trips=False: loop bodies once, as `cost_analysis()` counts them). A conditional's branches
+    count as running each time it does, unless `branch_weights[n]` gives the fraction of its runs
+    each of a conditional's n branches takes (an explicit pipeline schedule's timetable)."""
     mult = defaultdict(int)
     mult[module.entry] = 1
     for name, comp in module.callers_first():
@@ -167,8 +170,12 @@ def multipliers(module: Module, trips: bool = True) -> dict[str, int]:
             continue
         for ins in comp:
             trip = trip_count(ins, comp, module)
-            for key, callee in callees(ins):
-                mult[callee] += mult[name] * (trip if (trips and trip is not None and key == "body") else 1)
+            called = callees(ins)
+            branches = [c for key, c in called if key == "branch_computations"]
+            weights = (branch_weights or {}).get(len(branches)) if ins.opcode == "conditional" else None
+            for key, callee in called:
+                share = weights[branches.index(callee)] if weights and key == "branch_computations" else 1
+                mult[callee] += mult[name] * (trip if (trips and trip is not None and key == "body") else 1) * share
     return mult
 
 
