@@ -7,8 +7,9 @@ dimension divides), batch, and optimizer (the rest of the arguments: optimizer s
 and any other state); temp is XLA's temporary buffer size; total = arguments + temp + outputs that
 do not reuse a donated input. State that train.offload keeps in pinned host memory is reported apart
 (`host_memory_per_device_bytes`, from the abstract state's shard shapes), never in the device total
-(a compiler without host memory, the CPU's, counts it among the arguments: it is taken out); it
-crosses the host link twice per step (in and out), which the roofline adds. Collectives are read from
+(compilers split the arguments differently: the CPU's counts host ones among the arguments, XLA:GPU
+all of them among the host ones once one is, so the device's are all arguments but the offloaded
+state); it crosses the host link twice per step (in and out), which the roofline adds. Collectives are read from
 the optimized HLO (`plan/hlo/collectives.py` documents the byte conventions), which is parsed once
 per report. FLOPs and bytes accessed per device come from `compiled.cost_analysis()`, which counts a
 while loop's body once, plus the loops' remaining iterations (`hlo.loop_repeats_cost`: a pipeline
@@ -238,9 +239,10 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     params_b, batch_b = sharding.shard_bytes(params), sharding.shard_bytes(prog.abstract_batch())
     total_b = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     host = host_bytes(prog)
-    args_b = mem.argument_size_in_bytes
-    if not mem.host_argument_size_in_bytes:  # a compiler without host memory (CPU) counts it among the arguments
-        args_b, total_b = args_b - host["total"], total_b - host["total"]
+    # compilers split host and device arguments differently (CPU: all are arguments; XLA:GPU: all are host
+    # arguments once one is): the device's are all of them but the state train.offload keeps on the host
+    args_b = mem.argument_size_in_bytes + mem.host_argument_size_in_bytes - host["total"]
+    total_b += mem.host_argument_size_in_bytes - host["total"]
     params_dev_b = params_b - host["params"]
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
