@@ -380,7 +380,11 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
             cfg, mesh, comm.PlainStep(shardings, layout.params, fresh, update, replica_loss_and_grads))
     if cfg.train.on_nonfinite == "skip":
         train_step = skipping_nonfinite(train_step, lambda state: to_device(state, shardings, on_host))
-    sums, replicated = (lambda p, b: loss_sums(p, b)[:2]), shardings["step"]
+
+    def on_device(params):  # parameters train.offload.params keeps on the host, brought in
+        return to_device({"params": params}, shardings, {"params"}.intersection(on_host))["params"]
+
+    sums, replicated = (lambda p, b: loss_sums(on_device(p), b)[:2]), shardings["step"]
 
     return Program(                                                                           # 5
         cfg=cfg, mesh=mesh, layout=layout, tx=tx, schedule=schedule, flops_per_token=flops_per_token(cfg, layout),
@@ -391,7 +395,7 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
         step=jax.jit(train_step, in_shardings=(shardings, batch), out_shardings=(shardings, replicated),
                      donate_argnums=0),
         loss_sums=sums,
-        eval_step=jax.jit(sums, in_shardings=(layout.shardings, batch), out_shardings=(replicated, replicated)),
-        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(layout.shardings, batch),
+        eval_step=jax.jit(sums, in_shardings=(shardings["params"], batch), out_shardings=(replicated, replicated)),
+        loss_and_grads=jax.jit(lambda p, b: loss_and_grads(on_device(p), b), in_shardings=(shardings["params"], batch),
                                out_shardings=(replicated, layout.shardings)),
     )

@@ -310,7 +310,8 @@ def test_offloaded_run_resumes_bit_for_bit_into_host_memory(cfg_factory, tmp_pat
     def losses(run_dir):
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if "loss" in r}
-    run = [*TINY, "checkpoint.every_steps=2", "train.log_every=1", "optimizer.decay_steps=4"]
+    run = [*TINY, "checkpoint.every_steps=2", "train.log_every=1", "optimizer.decay_steps=4", "train.eval_every=4",
+           "train.eval_steps=1"]  # the evaluation reads the offloaded parameters too
     offload = ["train.offload.optimizer=true", "train.offload.params=true"]
     assert loop.train(cfg_factory(*run, "train.steps=4", f"run_dir={tmp_path / 'plain'}")) == 0
     for steps in (2, 4):
