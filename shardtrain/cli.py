@@ -143,8 +143,8 @@ def cmd_plan(args) -> int:
         raise config_lib.ConfigError(
             f"--devices: must be a positive device count, e.g. --devices 8; got {args.devices}")
     cfg = config_lib.load(args.config, args.overrides)
-    if args.budget < 1:
-        raise config_lib.ConfigError(f"--budget: must be at least 1 compile, got {args.budget}")
+    if args.budget < 0:
+        raise config_lib.ConfigError(f"--budget: must be >= 0 compiles (0: rank meshes only), got {args.budget}")
     if args.write and not args.search:
         raise config_lib.ConfigError("--write needs --search (it writes the fastest config found)")
     n_devices = args.devices or mesh_devices(cfg)
@@ -153,7 +153,9 @@ def cmd_plan(args) -> int:
     devices, chip = planner.target(cfg, n_devices, args.devices, args.chip, args.topology, args.slices,
                                    args.memory_limit)
     if args.search:
-        from shardtrain.plan import tune
+        from shardtrain.plan import search, tune
+        if args.budget == 0:
+            return search.main(cfg, devices, chip, as_json=args.json, write=args.write)
         return tune.main(cfg, devices, chip, as_json=args.json, write=args.write, budget=args.budget)
     return planner.main(cfg, devices, chip, as_json=args.json)
 
@@ -286,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices, then tune the best "
                     "ones' remat, optimizer offload and accumulation")
     pl.add_argument("--budget", type=int, default=12, metavar="N",
-                    help="with --search: compile at most N candidates while tuning (default 12)")
+                    help="with --search: compile at most N candidates while tuning (default 12; 0: rank meshes only)")
     pl.add_argument("--write", metavar="YAML", help="with --search: write the fastest config that fits")
     pl.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory per device instead of the chip's")
     pl.set_defaults(func=cmd_plan)
