@@ -94,6 +94,7 @@ def test_offloaded_state_lives_on_the_host_and_keeps_the_numbers_bit_for_bit(pla
                      "opt": {"pinned_host"}, "step": {"device"}}
 
 
+@pytest.mark.slow  # 8 compiles of the step's gradients, about 30 s on 2 loaded cores
 def test_named_remat_policies_keep_the_numbers_and_recompute_less_the_more_they_save():
     """Each policy's losses and gradients equal remat none's; the compiled FLOPs order none < minimal
     (saves every projection) < save_dot_except_mlp (the MLP's recomputed) < save_qkv_proj (the
