@@ -234,9 +234,10 @@ class Block(nnx.Module):
 
     def mm(self, x, name, n_in=1):
         """x times block weight `name` (flat 2D matmul unless the sequence is split over devices),
-        quantized by the block's `quantization`."""
-        return dense(x, self.weight(name), n_in, flat=flat_matmuls(self.constrain), quantization=self.quantization,
-                     row_groups=self.constrain.size("batch"))
+        quantized by the block's `quantization`; the result is named `name` for remat policies."""
+        out = dense(x, self.weight(name), n_in, flat=flat_matmuls(self.constrain), quantization=self.quantization,
+                    row_groups=self.constrain.size("batch"))
+        return checkpoint_name(out, name)  # what train.remat's named policies save
 
     def norm(self, x, name, axes=(-1,)):
         """RMSNorm by the block's norm weight `name`; x itself when the block has no such norm."""

@@ -16,6 +16,9 @@ Sources (vendor spec sheets, retrieved 2026):
   v4 / v5p host, 8 per v5e / v6e host); DGX A100: one 200 Gbit/s HDR InfiniBand port per GPU (25 GB/s);
   DGX H100 / H200: one 400 Gbit/s NDR port per GPU (50 GB/s). These are the least certain figures here.
   Interconnect figures are one direction: NVLink's 600 / 900 GB/s are both directions together.
+  Host link (train.offload's traffic), one direction per chip: A100 PCIe Gen4 x16 32 GB/s, H100 / H200 /
+  B200 PCIe Gen5 x16 64 GB/s (the datasheets' 64 / 128 GB/s are both directions); TPUs: Google lists no
+  host-link figure, so a PCIe Gen4 x16 link per chip (32 GB/s) is assumed, as uncertain as DCN.
 A GPU's `GpuTarget` is what XLA:GPU compiles for (`target_config`): streaming multiprocessors,
 compute capability, memory size and bandwidth, L2 and shared memory per SM from the CUDA programming
 guide's table for the compute capability and the vendor's architecture whitepapers (A100: Ampere
@@ -92,6 +95,8 @@ class Chip:
     """What XLA:GPU compiles for; None: not an NVIDIA GPU."""
     devices_per_chip: int = 1
     """jax devices one chip shows (TPU7x: its two TensorCores are two devices, each with half the chip's figures)."""
+    host_bandwidth: float = 32 * GB
+    """Bytes/s per chip between host memory and the chip (PCIe), one direction: train.offload's link."""
 
     def per_device(self) -> Chip:
         """The figures of one of the chip's devices."""
@@ -100,7 +105,8 @@ class Chip:
             return self
         return dataclasses.replace(self, peak_flops=self.peak_flops / n, hbm_bytes=self.hbm_bytes / n,
                                    hbm_bandwidth=self.hbm_bandwidth / n, ici_bandwidth=self.ici_bandwidth / n,
-                                   dcn_bandwidth=self.dcn_bandwidth / n, devices_per_chip=1)
+                                   dcn_bandwidth=self.dcn_bandwidth / n, host_bandwidth=self.host_bandwidth / n,
+                                   devices_per_chip=1)
 
 
 CHIPS = {c.name: c for c in [
@@ -113,13 +119,17 @@ CHIPS = {c.name: c for c in [
     Chip("a100", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB, ("A100",), gpu=GpuTarget(
         "NVIDIA A100-SXM4-80GB", (8, 0), 108, 81920 * MiB, 40 * MiB, 1.41, 164 * KiB, 163 * KiB)),
     Chip("h100", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB, ("H100",), gpu=GpuTarget(
-        "NVIDIA H100 80GB HBM3", (9, 0), 132, 80994 * MiB, 50 * MiB, 1.98, 228 * KiB, 227 * KiB)),
+        "NVIDIA H100 80GB HBM3", (9, 0), 132, 80994 * MiB, 50 * MiB, 1.98, 228 * KiB, 227 * KiB),
+         host_bandwidth=64 * GB),
     Chip("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB, ("H200",), gpu=GpuTarget(
-        "NVIDIA H200", (9, 0), 132, 143771 * MiB, 60 * MiB, 1.98, 228 * KiB, 227 * KiB)),
+        "NVIDIA H200", (9, 0), 132, 143771 * MiB, 60 * MiB, 1.98, 228 * KiB, 227 * KiB),
+         host_bandwidth=64 * GB),
     Chip("b200", 2250e12, 180 * GB, 8000 * GB, 900 * GB, 50 * GB, ("B200",), gpu=GpuTarget(
-        "NVIDIA B200", (10, 0), 148, 180_000_000_000, 126 * MiB, 1.965, 228 * KiB, 227 * KiB)),
+        "NVIDIA B200", (10, 0), 148, 180_000_000_000, 126 * MiB, 1.965, 228 * KiB, 227 * KiB),
+         host_bandwidth=64 * GB),
     # The whole host, as calibrate_cpu() measured it (bench/README.md); "ICI" is a copy in memory.
-    Chip("cpu", CPU_FLOPS, 8 * GiB, CPU_BANDWIDTH, CPU_BANDWIDTH, CPU_BANDWIDTH, (), host_shared=True),
+    Chip("cpu", CPU_FLOPS, 8 * GiB, CPU_BANDWIDTH, CPU_BANDWIDTH, CPU_BANDWIDTH, (), host_shared=True,
+         host_bandwidth=CPU_BANDWIDTH),
 ]}
 
 
@@ -183,4 +193,5 @@ def calibrate_cpu(seconds: float = 1.0) -> Chip:
     flops = best_rate(jax.jit(lambda x: x @ x), a, 2 * n ** 3)
     v = jax.device_put(jnp.ones((32 * 2 ** 20,), jnp.float32), cpu)  # 128 MiB: past the caches
     bandwidth = best_rate(jax.jit(lambda x: x * 1.0001), v, 2 * v.nbytes)  # read + write
-    return Chip("cpu", flops, CHIPS["cpu"].hbm_bytes, bandwidth, bandwidth, bandwidth, (), host_shared=True)
+    return Chip("cpu", flops, CHIPS["cpu"].hbm_bytes, bandwidth, bandwidth, bandwidth, (), host_shared=True,
+                host_bandwidth=bandwidth)

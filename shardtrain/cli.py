@@ -143,16 +143,20 @@ def cmd_plan(args) -> int:
         raise config_lib.ConfigError(
             f"--devices: must be a positive device count, e.g. --devices 8; got {args.devices}")
     cfg = config_lib.load(args.config, args.overrides)
+    if args.budget < 0:
+        raise config_lib.ConfigError(f"--budget: must be >= 0 compiles (0: rank meshes only), got {args.budget}")
     if args.write and not args.search:
-        raise config_lib.ConfigError("--write needs --search (it writes the best mesh found)")
+        raise config_lib.ConfigError("--write needs --search (it writes the fastest config found)")
     n_devices = args.devices or mesh_devices(cfg)
     simulated_devices(n_devices)
     from shardtrain.plan import planner
     devices, chip = planner.target(cfg, n_devices, args.devices, args.chip, args.topology, args.slices,
                                    args.memory_limit)
     if args.search:
-        from shardtrain.plan import search
-        return search.main(cfg, devices, chip, as_json=args.json, write=args.write)
+        from shardtrain.plan import search, tune
+        if args.budget == 0:
+            return search.main(cfg, devices, chip, as_json=args.json, write=args.write)
+        return tune.main(cfg, devices, chip, as_json=args.json, write=args.write, budget=args.budget)
     return planner.main(cfg, devices, chip, as_json=args.json)
 
 
@@ -282,8 +286,11 @@ def parser() -> argparse.ArgumentParser:
                     "compiler for that slice (needs libtpu; default: the config's hardware.topology)")
     pl.add_argument("--slices", type=int, default=None, help="with --topology: TPU slices joined over DCN")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
-    pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices")
-    pl.add_argument("--write", metavar="YAML", help="with --search: write the best mesh as a config")
+    pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices, then tune the best "
+                    "ones' remat, optimizer offload and accumulation")
+    pl.add_argument("--budget", type=int, default=12, metavar="N",
+                    help="with --search: compile at most N candidates while tuning (default 12; 0: rank meshes only)")
+    pl.add_argument("--write", metavar="YAML", help="with --search: write the fastest config that fits")
     pl.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory per device instead of the chip's")
     pl.set_defaults(func=cmd_plan)
     pr = sub.add_parser("prepare", help="tokenize text / JSONL / Parquet into shards for data.source=tokens")

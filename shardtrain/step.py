@@ -7,6 +7,7 @@ function, the pipeline schedule, the eval step and the model's FLOPs per token, 
 Train state (a plain dict pytree, checkpointed as is; spelled once, in `fresh_state_fn`):
   params: the model's parameters (pure nested dict, param_dtype, sharded by the rules)
   opt:    optax state, sharded exactly like the parameters
+  (train.offload puts opt, and params, in the host's pinned memory: `offloaded`)
   step:   int32 scalar
   comm, replicas: only with compressed reduction / local SGD (see comm.py)
   reference: only with train.objective=dpo|grpo and a frozen reference: the starting params (dpo.py)
@@ -205,10 +206,26 @@ def context_order(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain) -> 
 def state_shardings(cfg: RunConfig, mesh: Mesh, tx: optax.GradientTransformation,
                     layout: sharding.ParamLayout) -> dict:
     """Shardings of the train state: parameters by the rules, optimizer state like its parameters
-    (`optim.state_specs`; `jax.jit(tx.init)` alone would replicate it), scalars replicated."""
+    (`optim.state_specs`; `jax.jit(tx.init)` alone would replicate it), scalars replicated; the
+    entries train.offload names in pinned host memory."""
     replicated = NamedSharding(mesh, P())
     opt_shardings = sharding.named(mesh, optim.state_specs(tx, layout.params))
-    return {"params": layout.shardings, "opt": opt_shardings, "step": replicated}
+    shardings = {"params": layout.shardings, "opt": opt_shardings, "step": replicated}
+    on_host = offloaded(cfg)
+    return {k: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), v) if k in on_host else v
+            for k, v in shardings.items()}
+
+
+def offloaded(cfg: RunConfig) -> tuple[str, ...]:
+    """The state entries train.offload keeps in the host's pinned memory ("opt", "params")."""
+    o = cfg.train.offload
+    return (("opt",) if o.optimizer else ()) + (("params",) if o.params else ())
+
+
+def to_device(state: dict, shardings: dict, keys) -> dict:
+    """Inside the step: the state with entries `keys` (offloaded ones) brought to device memory."""
+    return {**state, **{k: jax.device_put(state[k], jax.tree.map(lambda s: s.with_memory_kind("device"), shardings[k]))
+                        for k in keys}}
 
 
 def batch_sharding(cfg: RunConfig, mesh: Mesh) -> NamedSharding:
@@ -332,11 +349,13 @@ def update_fn(cfg: RunConfig, tx: optax.GradientTransformation, nan_at: int | No
     return update
 
 
-def skipping_nonfinite(train_step: Callable) -> Callable:
+def skipping_nonfinite(train_step: Callable, fetch: Callable = lambda state: state) -> Callable:
     """train.on_nonfinite=skip: a step whose loss or gradient norm is not finite leaves every state
-    entry as it was (parameters, optimizer and communication state) but the step counter."""
+    entry as it was (parameters, optimizer and communication state) but the step counter. `fetch`
+    brings offloaded entries to the device (`to_device`)."""
     def step(state, batch):
         new, metrics = train_step(state, batch)
+        state = fetch(state)
         ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         kept = {k: jax.tree.map(lambda n, o: jnp.where(ok, n, o), v, state[k]) for k, v in new.items() if k != "step"}
         return {**kept, "step": new["step"]}, metrics
@@ -400,8 +419,15 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)
     fresh, update = fresh_state_fn(tx), update_fn(cfg, tx, nan_at)                            # 4
 
+    on_host = offloaded(cfg)
+
     def train_step(state, batch):
-        return update(state, *loss_and_grads(state["params"], batch))
+        state = to_device(state, shardings, {"params"}.intersection(on_host))
+        losses, grads = loss_and_grads(state["params"], batch)
+        if "opt" in on_host:  # brought in only once the gradients exist, so never beside the activations
+            grads, opt = jax.lax.optimization_barrier((grads, state["opt"]))
+            state = to_device({**state, "opt": opt}, shardings, ["opt"])
+        return update(state, losses, grads)
 
     if cfg.train.objective != "lm":  # post-training, the reference in the state: dpo.py, grpo.py
         shardings, fresh, train_step, loss_and_grads = post_training_pieces(
@@ -417,12 +443,19 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     if comm.enabled(cfg) and cfg.model.moe.n_experts > 1 and mesh.shape["expert"] > 1:
         raise ConfigError("mesh.expert > 1 does not combine with train.comm.sync=local_sgd or a compressed "
                           "train.comm.grad_reduce_dtype yet; use mesh.expert=1")
+    if comm.enabled(cfg) and on_host:
+        raise ConfigError("train.offload does not combine with train.comm.sync=local_sgd or a compressed "
+                          "train.comm.grad_reduce_dtype yet; use train.offload.optimizer=false, params=false")
     if comm.enabled(cfg):  # compressed gradient reduction or local SGD: shardtrain/parallel/comm.py
         shardings, fresh, train_step = comm.build(
             cfg, mesh, comm.PlainStep(shardings, layout.params, fresh, update, replica_loss_and_grads))
     if cfg.train.on_nonfinite == "skip":
-        train_step = skipping_nonfinite(train_step)
-    sums, replicated = (lambda p, b: loss_sums(p, b)[:2]), shardings["step"]
+        train_step = skipping_nonfinite(train_step, lambda state: to_device(state, shardings, on_host))
+
+    def on_device(params):  # parameters train.offload.params keeps on the host, brought in
+        return to_device({"params": params}, shardings, {"params"}.intersection(on_host))["params"]
+
+    sums, replicated = (lambda p, b: loss_sums(on_device(p), b)[:2]), shardings["step"]
 
     return Program(                                                                           # 5
         cfg=cfg, mesh=mesh, layout=layout, tx=tx, schedule=schedule, flops_per_token=flops_per_token(cfg, layout),
@@ -433,7 +466,7 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
         step=jax.jit(train_step, in_shardings=(shardings, batch), out_shardings=(shardings, replicated),
                      donate_argnums=0),
         loss_sums=sums,
-        eval_step=jax.jit(sums, in_shardings=(layout.shardings, batch), out_shardings=(replicated, replicated)),
-        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(layout.shardings, batch),
+        eval_step=jax.jit(sums, in_shardings=(shardings["params"], batch), out_shardings=(replicated, replicated)),
+        loss_and_grads=jax.jit(lambda p, b: loss_and_grads(on_device(p), b), in_shardings=(shardings["params"], batch),
                                out_shardings=(replicated, layout.shardings)),
     )

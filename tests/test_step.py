@@ -62,6 +62,70 @@ def test_remat_policies_keep_the_numbers(reference, policy):
     assert rel_diff(params, reference["gpt"][1]) <= 1e-5
 
 
+def steps_of(cfg, n: int = 3):
+    """(losses, params, state) after `n` steps of one random batch."""
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, prog.abstract_batch().shape, dtype=np.int32)
+    state, losses = prog.init(cfg.train.seed), []
+    for _ in range(n):
+        state, metrics = prog.step(state, jax.device_put(tokens, prog.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.tree.map(np.asarray, state["params"]), state
+
+
+OFFLOAD_MESH = [*TINY, "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"]
+
+
+@pytest.fixture(scope="module")
+def plain_steps():
+    return steps_of(config.load(None, OFFLOAD_MESH))[:2]
+
+
+@pytest.mark.parametrize("offload", [["train.offload.optimizer=true"],
+                                     ["train.offload.optimizer=true", "train.offload.params=true",
+                                      "train.on_nonfinite=skip"]])
+def test_offloaded_state_lives_on_the_host_and_keeps_the_numbers_bit_for_bit(plain_steps, offload):
+    losses, params = plain_steps
+    off_losses, off_params, state = steps_of(config.load(None, [*OFFLOAD_MESH, *offload]))
+    assert off_losses == losses and len(set(losses)) > 1
+    assert all((a == b).all() for a, b in zip(jax.tree.leaves(off_params), jax.tree.leaves(params)))
+    kinds = {k: {x.sharding.memory_kind for x in jax.tree.leaves(state[k])} for k in ("params", "opt", "step")}
+    assert kinds == {"params": {"pinned_host" if "train.offload.params=true" in offload else "device"},
+                     "opt": {"pinned_host"}, "step": {"device"}}
+
+
+@pytest.mark.slow  # 8 compiles of the step's gradients, about 30 s on 2 loaded cores
+def test_named_remat_policies_keep_the_numbers_and_recompute_less_the_more_they_save():
+    """Each policy's losses and gradients equal remat none's; the compiled FLOPs order none < minimal
+    (saves every projection) < save_dot_except_mlp (the MLP's recomputed) < save_qkv_proj (the
+    attention's output projection too) < full, and the single-name policies lie between."""
+    overrides = [*TINY, "mesh.data=1", "mesh.fsdp=8"]
+    params, batch = None, None
+
+    def run(policy):
+        nonlocal params, batch
+        cfg = config.load(None, [*overrides, f"train.remat={policy}"])
+        prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+        if params is None:
+            params = prog.init(0)["params"]
+            batch = jax.device_put(np.random.default_rng(0).integers(
+                0, cfg.model.vocab_size, prog.abstract_batch().shape, dtype=np.int32), prog.batch_sharding)
+        compiled = prog.loss_and_grads.lower(params, batch).compile()
+        losses, grads = compiled(params, batch)
+        return float(losses["loss"]), jax.tree.map(np.asarray, grads), compiled.cost_analysis()["flops"]
+
+    runs = {p: run(p) for p in ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "full",
+                                "save_out_proj", "save_attn_out", "save_mlp_gate_up")}
+    loss, grads, _ = runs["none"]
+    for policy, (policy_loss, policy_grads, _) in runs.items():
+        assert abs(policy_loss - loss) <= 1e-6 * loss and rel_diff(policy_grads, grads) <= 1e-6, policy
+    flops = {p: f for p, (_, _, f) in runs.items()}
+    ordered = [flops[p] for p in ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "full")]
+    assert ordered == sorted(set(ordered)), flops
+    assert all(flops["minimal"] < flops[p] < flops["full"] for p in ("save_out_proj", "save_attn_out",
+                                                                      "save_mlp_gate_up")), flops
+
+
 def test_activation_sharding_is_a_rules_change(reference):
     """The residual stream's model dimension is a logical name: sharding it is one rules row."""
     overrides = [*SMALL, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]

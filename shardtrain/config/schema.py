@@ -240,6 +240,20 @@ class CommConfig:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """Train state kept in the host's pinned memory instead of the accelerator's (memory kinds): each
+    step brings it in and writes it back over the host link (PCIe), which `plan` counts. The
+    numbers are the same as without offload."""
+
+    optimizer: bool = False
+    """The optimizer state (AdamW's two moments: 2x the fp32 parameters' bytes) lives on the host; it
+    comes to the device after the step's gradients exist, for the update only."""
+    params: bool = False
+    """The (fp32 master) parameters live on the host too; each step brings them in for the forward
+    pass."""
+
+
+@dataclass(frozen=True)
 class WatchdogConfig:
     """Hangs and stragglers (shardtrain/runtime/health.py). A hang: no step finished for
     max(hang_factor x the median step time, hang_min_s), or startup_s before the first step of a
@@ -320,10 +334,17 @@ class TrainConfig:
     global_batch_size: int = 32
     grad_accum_steps: int = 1
     """Micro-batches per step, accumulated inside the compiled step (same update as the full batch)."""
-    remat: Literal["none", "full", "dots", "dots_no_batch", "offload"] = "none"
+    remat: Literal["none", "full", "dots", "dots_no_batch", "offload", "minimal", "save_dot_except_mlp",
+                   "save_qkv_proj", "save_out_proj", "save_attn_out", "save_mlp_gate_up", "minimal_offloaded",
+                   "qkv_proj_offloaded"] = "none"
     """Activation recomputation policy for each layer (jax.checkpoint_policies). `offload` keeps
     each layer's input and attention output in host memory (pinned_host) and recomputes the rest:
-    TPU / GPU only."""
+    TPU / GPU only. The named policies save the outputs of some matmuls and recompute the rest
+    (MaxText's names): `minimal` every projection (q, k, v, out, MLP gate / up / down),
+    `save_dot_except_mlp` the attention's four, `save_qkv_proj` q, k, v, `save_out_proj` the
+    attention's output projection, `save_attn_out` the attention's output, `save_mlp_gate_up` the
+    MLP's gate and up; `minimal_offloaded` / `qkv_proj_offloaded` keep minimal's / save_qkv_proj's
+    in host memory instead (TPU / GPU only)."""
     scan_unroll: int = 1
     """Layers per iteration of the `lax.scan` over layers: 1 keeps the compiled program and compile
     time flat in depth; n_layers unrolls it fully (sometimes faster for small models on CPU)."""
@@ -363,6 +384,8 @@ class TrainConfig:
     counts it (metrics.jsonl: {"event": "nonfinite", "step": N, "action": "skip"})."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """Hang watchdog and straggler report."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Optimizer state (and master parameters) in host memory."""
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,17 @@ Memory per device comes from `compiled.memory_analysis()`: its argument bytes (e
 into parameters (the abstract state's per-device shard shapes, exact because every sharded
 dimension divides), batch, and optimizer (the rest of the arguments: optimizer state, step counter
 and any other state); temp is XLA's temporary buffer size; total = arguments + temp + outputs that
-do not reuse a donated input. Collectives are read from the optimized HLO (`plan/hlo/collectives.py`
-documents the byte conventions), which is parsed once per report. FLOPs and bytes accessed per device
-come from `compiled.cost_analysis()`, which counts a while loop's body once, plus the loops' remaining
-iterations (`hlo.loop_repeats_cost`: a pipeline schedule, gradient accumulation, a rolled scan); where
-the compiler gives no cost analysis (XLA:GPU compiling for GPUs that are not here), and on GPUs
-(whose cost analysis counts more bytes than a measured step could move: bench/README.md, GPU), all of
+do not reuse a donated input. State that train.offload keeps in pinned host memory is reported apart
+(`host_memory_per_device_bytes`, from the abstract state's shard shapes), never in the device total
+(compilers split the arguments differently: the CPU's counts host ones among the arguments, XLA:GPU
+all of them among the host ones once one is, so the device's are all arguments but the offloaded
+state); it crosses the host link twice per step (in and out), which the roofline adds. Collectives are read from
+the optimized HLO (`plan/hlo/collectives.py` documents the byte conventions), which is parsed once
+per report. FLOPs and bytes accessed per device come from `compiled.cost_analysis()`, which counts a
+while loop's body once, plus the loops' remaining iterations (`hlo.loop_repeats_cost`: a pipeline
+schedule, gradient accumulation, a rolled scan); where the compiler gives no cost analysis (XLA:GPU
+compiling for GPUs that are not here), and on GPUs (whose cost analysis counts more bytes than a
+measured step could move: bench/README.md, GPU), all of
 them come from the HLO (`hlo.program_cost`).
 
 Post-training adds `reference` (the frozen starting weights, taken out of `optimizer`) and, for GRPO,
@@ -74,7 +79,8 @@ def per_device(chip: chips_lib.Chip, n_devices: int) -> chips_lib.Chip:
     return dataclasses.replace(chip, peak_flops=chip.peak_flops / n_devices, hbm_bytes=chip.hbm_bytes / n_devices,
                                hbm_bandwidth=chip.hbm_bandwidth / n_devices,
                                ici_bandwidth=chip.ici_bandwidth / n_devices,
-                               dcn_bandwidth=chip.dcn_bandwidth / n_devices)
+                               dcn_bandwidth=chip.dcn_bandwidth / n_devices,
+                               host_bandwidth=chip.host_bandwidth / n_devices)
 
 
 def gpus_present(n: int) -> bool:
@@ -131,7 +137,8 @@ def compute_seconds(flops_dev: float, model_flops_dev: float, flops_by_dtype: di
 
 def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], chip: chips_lib.Chip,
              dcn_axes: set[str], model_flops_step: float, n_devices: int,
-             flops_by_dtype: dict[str, float] | None = None, loops: dict[str, hlo.LoopBody] | None = None) -> dict:
+             flops_by_dtype: dict[str, float] | None = None, loops: dict[str, hlo.LoopBody] | None = None,
+             host_link_bytes: float = 0.0) -> dict:
     """The roofline. Compute time is the larger of the compiled FLOPs and the model's FLOPs at peak
     (`compute_seconds`): the compiler's count can fall short of the model's (a remat policy that saves
     every matmul and an embedding lookup with no input gradient, as in meshes/gpu_1x8.yaml; custom
@@ -142,7 +149,9 @@ def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], ch
     `step_time_s` adds all communication (the serial bound); `step_time_overlapped_s` lets the
     collectives of each loop iteration (`loops`: the layer scan's gathers of the next weights and
     reduce-scatters of the last gradients, which the compiler runs asynchronously) hide behind that
-    iteration's own compute or memory time, and the rest adds."""
+    iteration's own compute or memory time, and the rest adds. `host_link_bytes` (train.offload's
+    state, in and out each step) cross the host link at the chip's `host_bandwidth`, added in series
+    (`host_link_s`; no overlap counted)."""
     program_s, model_s = compute_seconds(flops_dev, model_flops_step / n_devices, flops_by_dtype or {}, chip)
     compute_s = max(program_s, model_s)
     memory_s = bytes_dev / chip.hbm_bandwidth
@@ -151,18 +160,19 @@ def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], ch
         return c.traffic_bytes * c.count / (chip.dcn_bandwidth if dcn_axes.intersection(c.axes) else chip.ici_bandwidth)
 
     comm_s = sum(seconds(c) for c in colls)
-    step_s = max(compute_s, memory_s) + comm_s
+    host_s = host_link_bytes / chip.host_bandwidth
+    step_s = max(compute_s, memory_s) + comm_s + host_s
     seconds_per_flop = program_s / flops_dev if flops_dev else 1 / chip.peak_flops
     hidden_s = 0.0
     for body in (loops or {}).values():
         comm = sum(seconds(c) for c in colls if c.computation in body.computations) / body.runs
         hidden_s += body.runs * min(comm, max(body.flops * seconds_per_flop, body.bytes / chip.hbm_bandwidth))
-    parts = {"compute": compute_s, "memory": memory_s, "communication": comm_s}
+    parts = {"compute": compute_s, "memory": memory_s, "communication": comm_s, "host_link": host_s}
     hidden_s = min(hidden_s, comm_s)
     return {"step_time_s": step_s, "step_time_overlapped_s": step_s - hidden_s, "comm_hidden_s": hidden_s,
             "mfu": model_s / step_s,
             "bottleneck": max(parts, key=parts.get), "compute_s": compute_s, "memory_s": memory_s,
-            "comm_s": comm_s, "chip": chip.name}
+            "comm_s": comm_s, "host_link_s": host_s, "chip": chip.name}
 
 
 def ways(mesh, axes) -> int:
@@ -227,6 +237,14 @@ def attention_kernel(cfg: RunConfig, mesh, text: str, platform: str) -> str:
     return attention.resolve(cfg.model.attention, platform)
 
 
+def host_bytes(prog: step_lib.Program) -> dict[str, int]:
+    """Per device, the state train.offload keeps in the host's pinned memory: {params, optimizer, total}."""
+    on_host = step_lib.offloaded(prog.cfg)
+    out = {name: sharding.shard_bytes(prog.abstract_state[key]) if key in on_host else 0
+           for name, key in (("params", "params"), ("optimizer", "opt"))}
+    return {**out, "total": sum(out.values())}
+
+
 def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: float = 0.0) -> dict:
     """Everything `plan` says about one compiled train step (a JSON-ready dict)."""
     cfg, mesh = prog.cfg, prog.mesh
@@ -237,11 +255,17 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     mem = compiled.memory_analysis()
     params_b, batch_b = sharding.shard_bytes(params), sharding.shard_bytes(prog.abstract_batch())
     total_b = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    host = host_bytes(prog)
+    # compilers split host and device arguments differently (CPU: all are arguments; XLA:GPU: all are host
+    # arguments once one is): the device's are all of them but the state train.offload keeps on the host
+    args_b = mem.argument_size_in_bytes + mem.host_argument_size_in_bytes - host["total"]
+    total_b += mem.host_argument_size_in_bytes - host["total"]
+    params_dev_b = params_b - host["params"]
     # post-training: the frozen reference is state beside the optimizer's; GRPO's generation holds
     # the state and the KV cache (instead of the step's temporaries and batch)
     reference_b = sharding.shard_bytes(prog.abstract_state.get("reference", {}))
     cache_b = sharding.shard_bytes(prog.generation_cache())
-    total_b = max(total_b, mem.argument_size_in_bytes - batch_b + cache_b)
+    total_b = max(total_b, args_b - batch_b + cache_b)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     platform = mesh.devices.flat[0].platform
@@ -271,13 +295,16 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "params": {"count": n_params,
                    "bytes": sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))},
         "memory_per_device_bytes": {
-            "params": params_b, "optimizer": mem.argument_size_in_bytes - params_b - batch_b - reference_b,
+            "params": params_dev_b, "optimizer": args_b - params_dev_b - batch_b - reference_b,
             "batch": batch_b, **({"reference": reference_b} if reference_b else {}), "temp": mem.temp_size_in_bytes,
             **({"kv_cache": cache_b} if cache_b else {}), "total": total_b},
+        "host_memory_per_device_bytes": host,
+        "host_link_bytes_per_step": 2 * host["total"],
         "compiled_memory_bytes": {  # memory_analysis() as the compiler gave it
             "arguments": mem.argument_size_in_bytes, "temp": mem.temp_size_in_bytes,
             "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes,
-            "generated_code": mem.generated_code_size_in_bytes},
+            "generated_code": mem.generated_code_size_in_bytes,
+            "host_arguments": mem.host_argument_size_in_bytes, "host_temp": mem.host_temp_size_in_bytes},
         "attention_scores_bytes_per_layer": attention_scores_bytes(cfg, mesh),
         "memory_limit_bytes": chip_dev.hbm_bytes,
         "fits": total_b <= chip_dev.hbm_bytes,
@@ -295,7 +322,7 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "model_flops_per_token": flops_token,
         "model_flops_per_step": flops_token * tokens,
         "estimate": {**estimate(flops_dev, bytes_dev, colls, chip_dev, dcn_axes, flops_token * tokens, n,
-                                flops_by_dtype, hlo.loop_bodies(module)),
+                                flops_by_dtype, hlo.loop_bodies(module), 2 * host["total"]),
                      "tpu_cost_model_step_s": float(optimal_s) if optimal_s and optimal_s > 0 else None,
                      "cost_analysis_optimal_seconds": None if optimal_s is None else float(optimal_s)},
         "pipeline": pipeline_schedule(prog),
@@ -419,6 +446,9 @@ def format_report(r: dict) -> str:
         *(f"  {k:<10} {gib(v):>14}" for k, v in m.items()),
         f"  {'limit':<10} {gib(r['memory_limit_bytes']):>14}  ({r['chip']})",
         f"  fits: {'yes' if r['fits'] else 'NO'}, margin {gib(r['margin_bytes'])} ({r['margin_fraction']:.0%})",
+        *([f"  host (train.offload): optimizer {gib(r['host_memory_per_device_bytes']['optimizer'])}, params "
+           f"{gib(r['host_memory_per_device_bytes']['params'])}; host link {gib(r['host_link_bytes_per_step'])} "
+           f"per step, {e['host_link_s'] * 1e3:.3f} ms"] if r["host_memory_per_device_bytes"]["total"] else []),
         "", "collectives per device per step (bytes = array size; traffic = ring estimate)",
         f"  {'kind':<20}{'count':>7}{'bytes':>16}{'traffic':>16}  axes",
         *(f"  {k:<20}{c['count']:>7}{gib(c['bytes']):>16}{gib(c['traffic_bytes']):>16}  {', '.join(c['axes'])}"

@@ -117,8 +117,11 @@ class Row:
                 "state_bytes_per_device": self.state_bytes, "report": self.report}
 
 
-def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | None = None) -> dict:
-    """Plans every valid mesh of len(devices) devices; returns {'rows': ranked rows, 'rejected': ...}."""
+def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | None = None,
+           require_fit: bool = True) -> dict:
+    """Plans every valid mesh of len(devices) devices; returns {'rows': ranked rows, 'rejected': ...}.
+    `require_fit`: raise a ConfigError saying what would fit when no mesh does (tune.py, which may
+    still make one fit, asks for the ranking anyway)."""
     n = len(devices)
     limit = planner.per_device(chip, n).hbm_bytes
     rows, rejected, todo = [], [], []
@@ -154,19 +157,19 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
                           "; ".join(f"{r['mesh']}: {r['reason']}" for r in rejected[:4]))
     compile_all(todo, devices[0].platform, chip, workers)
     ranked = sorted(rows, key=rank_key)
-    if not any(r.report and r.report["fits"] for r in ranked):
+    if require_fit and not any(r.report and r.report["fits"] for r in ranked):
         raise ConfigError(no_fit_message(cfg, ranked, n, limit, chip))
     return {"devices": n, "chip": chip.name, "memory_limit_bytes": limit,
             "rows": [r.as_dict() for r in ranked], "rejected": rejected}
 
 
 def compile_all(todo: list[tuple[Row, step_lib.Program]], platform: str, chip: chips_lib.Chip,
-                workers: int | None = None) -> None:
+                workers: int | None = None, quiet: bool = False) -> None:
     """Compiles the rows' programs in a thread pool (XLA compiles outside the GIL) and fills in
     their reports; a mesh that fails to lower or compile is marked, not raised. Lowering (Python
-    tracing) runs here, one mesh at a time, while the pool compiles."""
+    tracing) runs here, one mesh at a time, while the pool compiles. `quiet`: no progress bar."""
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
-    bar = tqdm(total=len(todo), desc="compiling meshes", unit="mesh", file=sys.stderr, disable=not todo)
+    bar = tqdm(total=len(todo), desc="compiling meshes", unit="mesh", file=sys.stderr, disable=quiet or not todo)
     with planner.compile_cache_off(platform), concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = {}
         for row, prog in todo:
@@ -251,15 +254,17 @@ def write_best(cfg: RunConfig, result: dict, path: str) -> None:
     best = next((r for r in result["rows"] if r["report"] and r["report"]["fits"]), None)
     if best is None:
         raise ConfigError("--write: no mesh fits, nothing to write")
-    name = Path(path).stem
-    c = dataclasses.replace(candidate(cfg, best["mesh"], best["microbatches"], best["dcn"]), name=name, run_dir=None)
-    text = dump(c)
-    tree = yaml.safe_load(text)
+    write_config(candidate(cfg, best["mesh"], best["microbatches"], best["dcn"]), path,
+                 f"{result['devices']} devices, {result['chip']}: estimated "
+                 f"{best['report']['estimate']['step_time_s'] * 1e3:.2f} ms/step")
+
+
+def write_config(cfg: RunConfig, path: str, note: str) -> None:
+    """Writes `cfg` as a complete config named after the file, with `note` in its first line."""
+    tree = yaml.safe_load(dump(dataclasses.replace(cfg, name=Path(path).stem, run_dir=None)))
     del tree["run_dir"]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(f"# Written by `shardtrain plan --search` ({result['devices']} devices, {result['chip']}): "
-                          f"estimated {best['report']['estimate']['step_time_s'] * 1e3:.2f} ms/step\n"
-                          + yaml.safe_dump(tree, sort_keys=False))
+    Path(path).write_text(f"# Written by `shardtrain plan --search` ({note})\n" + yaml.safe_dump(tree, sort_keys=False))
 
 
 def main(cfg: RunConfig, devices: list, chip: chips_lib.Chip, as_json: bool = False, write: str | None = None) -> int:

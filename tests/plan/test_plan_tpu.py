@@ -64,6 +64,24 @@ def test_tpu_argument_bytes_are_the_analytical_shard_bytes():
         assert 0 < args[name] - 3 * m["params"] - m["batch"] <= 4 * 512
 
 
+def test_tpu_program_keeps_the_offloaded_optimizer_state_in_host_memory():
+    """train.offload.optimizer on the TPU compiler: AdamW's two moments leave the device's arguments
+    for the host's (the compiler's own figures, exact up to the counters' tiles), the plan reports them
+    apart, and its step adds their trip in and out over the host link."""
+    cfg = tpu_cfg("fsdp", "train.offload.optimizer=true")
+    r = planner.plan_one(cfg, list(topology.devices(chips.CHIPS["v5e"], "2x2")), chips.CHIPS["v5e"])
+    plain, moments = planned("fsdp"), 2 * PARAM_BYTES // 4
+    host = r["compiled_memory_bytes"]["host_arguments"]
+    assert 0 <= host - moments <= 2 * 512 and plain["compiled_memory_bytes"]["host_arguments"] == 0
+    assert plain["compiled_memory_bytes"]["arguments"] - r["compiled_memory_bytes"]["arguments"] == host
+    assert r["memory_per_device_bytes"]["params"] == plain["memory_per_device_bytes"]["params"]
+    assert r["host_memory_per_device_bytes"]["optimizer"] - moments <= 2 * 512
+    assert r["host_link_bytes_per_step"] == 2 * r["host_memory_per_device_bytes"]["total"]
+    link_s = r["host_link_bytes_per_step"] / chips.CHIPS["v5e"].host_bandwidth
+    assert r["estimate"]["host_link_s"] == pytest.approx(link_s)
+    assert r["estimate"]["step_time_s"] >= max(r["estimate"]["compute_s"], r["estimate"]["memory_s"]) + link_s
+
+
 def test_tpu_fsdp_gathers_weights_and_reduce_scatters_gradients():
     c = planned("fsdp")["collectives"]
     assert {a for row in c.values() for a in row["axes"]} == {"fsdp"}

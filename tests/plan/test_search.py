@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from conftest import TINY
-from shardtrain import chips, config
-from shardtrain.plan import planner, search
+from shardtrain import chips, config, step
+from shardtrain.parallel import mesh as mesh_lib
+from shardtrain.plan import planner, search, tune
 
 
 def mlp_cfg(data, fsdp, tensor):
@@ -129,3 +131,39 @@ def test_no_fit_hint_never_suggests_a_batch_below_one_row_per_device(activations
     row = search.Row({"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}, None, "ranked", report, params + opt)
     message = search.no_fit_message(cfg, [row], 8, limit, chips.CHIPS["v5e"])
     assert hint in message and "about 0" not in message
+
+
+@pytest.mark.slow  # 5 CPU compiles and a 2-step run
+def test_search_tunes_remat_offload_and_accumulation_until_the_fastest_fits_and_its_config_trains(tmp_path, capsys):
+    """One device whose memory is 90% of what the config's own knobs (remat none, no offload, no
+    accumulation) need: the ranking finds no fitting mesh, the tuning does; the chosen config is the
+    fastest fitting candidate compiled, every other is compiled, pruned by what its reason says, or
+    past the budget; the written config plans to the same step and trains."""
+    cfg = config.load(None, [*TINY, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", f"run_dir={tmp_path / 'run'}"])
+    one = jax.devices()[:1]
+    own = planner.plan_one(cfg, one, planner.pick_chip("cpu", one))["memory_per_device_bytes"]["total"]
+    devices, chip = planner.target(cfg, 1, chip="cpu", memory_limit=0.9 * own)
+    out = tmp_path / "best.yaml"
+    assert tune.main(cfg, devices, chip, as_json=True, write=str(out), budget=4) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert not result["rows"][0]["report"]["fits"]
+    tried, chosen = result["tuning"]["candidates"], result["chosen"]
+    fitting = [c for c in tried if c["status"] == "compiled" and c["fits"]]
+    assert fitting and chosen["step_time_s"] == min(c["step_time_s"] for c in fitting) and chosen["fits"]
+    assert (chosen["remat"], chosen["offload"], chosen["accum"]) != ("none", False, 1)
+    assert 1 < result["tuning"]["compiles"] <= 4
+    for c in tried:
+        if c["status"].startswith("pruned: predicted step"):
+            assert c["predicted_step_s"] >= chosen["step_time_s"]
+        elif c["status"].startswith("pruned: predicted"):
+            assert c["predicted_bytes"] > 0.9 * own
+    written = config.load(str(out))
+    assert (written.train.remat, written.train.offload.optimizer, written.train.grad_accum_steps) == (
+        chosen["remat"], chosen["offload"], chosen["accum"])
+    replan = planner.plan_one(written, devices, chip)
+    assert replan["fits"] and replan["estimate"]["step_time_s"] == chosen["step_time_s"]
+    prog = step.build(written, mesh_lib.make_mesh(written.mesh, one))  # trains on the one device
+    state, tokens = prog.init(0), jax.device_put(np.zeros(prog.batch_shape(), np.int32), prog.batch_sharding)
+    for _ in range(2):
+        state, metrics = prog.step(state, tokens)
+        assert math.isfinite(float(metrics["loss"]))
