@@ -99,25 +99,27 @@ def rope_perm(p: int) -> np.ndarray:
 
 
 def mla_entries(m: ModelConfig) -> list[Entry]:
-    """Multi-head latent attention's tensors (DeepSeek; the rotary channels de-interleaved)."""
+    """Multi-head latent attention's tensors (DeepSeek; the rotary channels de-interleaved). Each tensor's
+    permutation follows its role (the queries' and the shared key's rotary rows; none for kv_b_proj's keys
+    and values), never its sizes: v_head_dim may equal qk_rope_head_dim."""
     a, d, h = m.mla, m.d_model, m.n_heads
     n, p, c, v = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
     perm, attn = rope_perm(p), "model.layers.{i}.self_attn."
     q_perm = np.concatenate([np.arange(n), n + perm])
     kv_perm = np.concatenate([np.arange(c), c + perm])
 
-    def heads(rows, x):  # (H*X, rows) <-> (rows, H, X), the query's rotary channels permuted
-        idx = q_perm if x == n + p else np.arange(x)
+    def heads(rows, x, idx=None):  # (H*X, rows) <-> (rows, H, X), each head's channels in order `idx`
+        idx = np.arange(x) if idx is None else idx
         inv = np.argsort(idx)
         return (lambda t: t.T.reshape(rows, h, x)[..., idx]), (lambda t: t[..., inv].reshape(rows, h * x).T)
     out = []
     if a.q_lora_rank is None:
-        out.append(Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * (n + p), d), *heads(d, n + p)))
+        out.append(Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * (n + p), d), *heads(d, n + p, q_perm)))
     else:
         r = a.q_lora_rank
         out += [Entry(("blocks", "wq_a_dr"), attn + "q_a_proj.weight", (r, d), tr, tr),
                 Entry(("blocks", "q_a_norm"), attn + "q_a_layernorm.weight", (r,), same, same),
-                Entry(("blocks", "wq_b_rhe"), attn + "q_b_proj.weight", (h * (n + p), r), *heads(r, n + p))]
+                Entry(("blocks", "wq_b_rhe"), attn + "q_b_proj.weight", (h * (n + p), r), *heads(r, n + p, q_perm))]
     inv = np.argsort(kv_perm)
     return out + [
         Entry(("blocks", "wkv_a_dc"), attn + "kv_a_proj_with_mqa.weight", (c + p, d),

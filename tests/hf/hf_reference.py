@@ -12,7 +12,9 @@ layers' rotary base, linear scaling on the global ones): head_dim 16, query_pre_
 DeepSeek-V3 (3 layers: one dense, two MoE): multi-head latent attention (q and kv ranks 16, 8
 rotary and 8 other query/key channels, 12 value channels), 4 sigmoid-routed experts in 2 groups
 (1 kept), top 2 renormalised x 2.5, a random balancing bias, one shared expert; deepseek_v3_full_q
-the same with a full query projection (q_lora_rank null, DeepSeek-V2-Lite's).
+the same with a full query projection (q_lora_rank null, DeepSeek-V2-Lite's); the `_v_eq_rope` pair
+the same two with 16 rotary, other query/key and value channels each (no size tells value rows from
+rotary ones).
 """
 
 import dataclasses
@@ -28,7 +30,8 @@ from shardtrain import config
 from shardtrain.parallel import mesh as mesh_lib, sharding
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
-MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_full_q"]
+MLA_FAMILIES = ["deepseek_v3", "deepseek_v3_full_q", "deepseek_v3_v_eq_rope", "deepseek_v3_full_q_v_eq_rope"]
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", *MLA_FAMILIES]
 NEW_FAMILIES = ["olmo2", "gemma2", "gemma3"]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *NEW_FAMILIES]
 

@@ -31,5 +31,8 @@ def test_tensor_map_names_every_stored_tensor_and_its_layouts_invert(family):
             n, p = m.mla.qk_nope_head_dim, m.mla.qk_rope_head_dim
             assert np.array_equal(ours[:, 1, n + 1], a[(n + p) + n + 2])
             assert np.array_equal(ours[:, 1, n + p // 2], a[(n + p) + n + 1])  # ... channel 1 our first of the 2nd half
+        if entry.ours[-1] == "wkv_b_che":  # keys' other channels, then values: in HF's order whatever their sizes
+            n, v = m.mla.qk_nope_head_dim, m.mla.v_head_dim
+            assert np.array_equal(ours[:, 1], a[n + v:2 * (n + v)].T)
         if entry.ours[-1] in ("w_up_df", "w_up_edf", "router_de"):  # HF (out, in) -> ours (in, out)
             assert np.array_equal(ours, a.T)
