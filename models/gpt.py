@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models import LORA_A, LORA_B, adapted_weights, attention, moe
+from models import LORA_A, LORA_B, adapted_weights, attention, moe, rope
 from models.contract import no_constraint
 from models.layers import (
     BTD,
@@ -69,12 +69,14 @@ def softcap(x, cap):
 
 def inv_frequencies(e: int, theta: float, scaling=None) -> np.ndarray:
     """The E/2 rotary frequencies (float32, as transformers computes them), with `scaling`
-    (a config with type linear / llama3, factor, ...) applied."""
+    (a config with type linear / llama3 / yarn / dynamic, factor, ...; models/rope.py) applied."""
     freq_f = (1.0 / (theta ** (np.arange(0, e, 2, dtype=np.float32) / np.float32(e)))).astype(np.float32)
     if scaling is None:
         return freq_f
     if scaling.type == "linear":
         return (freq_f / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.type in ("yarn", "dynamic"):  # dynamic: unscaled within original_max_position_embeddings
+        return rope.yarn_frequencies(e, theta, scaling) if scaling.type == "yarn" else freq_f
     old, lo, hi = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
     wavelen_f = (2 * math.pi / freq_f).astype(np.float32)
     scaled_f = np.where(wavelen_f > old / lo, freq_f / np.float32(scaling.factor), freq_f).astype(np.float32)
@@ -91,6 +93,8 @@ def rotary(x_bthe, theta: float, positions_bt=None, scaling=None):
         positions_bt = jnp.arange(t, dtype=jnp.int32)[None, :]
     angle_btf = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_frequencies(e, theta, scaling))
     sin, cos = jnp.sin(angle_btf)[:, :, None, :], jnp.cos(angle_btf)[:, :, None, :]
+    if (factor := rope.attention_factor(scaling)) != 1.0:  # yarn's, on cos and sin as transformers applies it
+        sin, cos = sin * factor, cos * factor
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
 
@@ -139,7 +143,8 @@ class Block(nnx.Module):
         self.mla = cfg.mla
         if cfg.mla is not None:
             self._mla(cfg, rngs, norm_init)
-            self.scale = (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) ** -0.5
+            qk = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
+            self.scale = qk ** -0.5 * rope.score_scale(cfg.rope_scaling)
         else:
             self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
             self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wk_dke"])

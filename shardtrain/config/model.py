@@ -12,15 +12,32 @@ from typing import Literal, Optional
 class RopeScalingConfig:
     """Rotary frequency scaling for contexts longer than pre-training (Hugging Face `rope_scaling`)."""
 
-    type: Literal["linear", "llama3"] = "llama3"
-    """`linear`: every frequency divided by `factor`; `llama3`: Llama 3.1's low/high-frequency blend."""
+    type: Literal["linear", "llama3", "yarn", "dynamic"] = "llama3"
+    """`linear`: every frequency divided by `factor`; `llama3`: Llama 3.1's low/high-frequency blend;
+    `yarn`: YaRN (DeepSeek-V3, Kimi-K2, gpt-oss, Qwen / OLMo 3 long context; models/rope.py);
+    `dynamic`: dynamic NTK, which changes nothing within original_max_position_embeddings (the most a
+    sequence may hold with it)."""
     factor: float = 8.0
     low_freq_factor: float = 1.0
     """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
     original_max_position_embeddings: int = 8192
-    """llama3: the pre-training context length."""
+    """llama3, yarn, dynamic: the pre-training context length (dynamic: transformers' max_position_embeddings)."""
+    beta_fast: float = 32.0
+    """yarn: frequencies that turn more than beta_fast times in the original context keep their value ..."""
+    beta_slow: float = 1.0
+    """yarn: ... those that turn fewer than beta_slow times are divided by factor; a linear ramp between."""
+    truncate: bool = True
+    """yarn: the ramp's ends rounded outward to whole dimensions (gpt-oss: false)."""
+    attention_factor: Optional[float] = None
+    """yarn: cos and sin times this; null: mscale / mscale_all_dim's ratio if both are set, else
+    0.1 ln(factor) + 1."""
+    mscale: Optional[float] = None
+    """yarn (DeepSeek): the numerator's scale of the default attention_factor."""
+    mscale_all_dim: Optional[float] = None
+    """yarn (DeepSeek): the denominator's scale; with latent attention the scores are also multiplied
+    by (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek's softmax scale."""
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,11 @@ def validate(cfg: RunConfig) -> None:
     validate_run_dir(cfg.run_dir)
     validate_hardware(cfg, with_mesh=False)
     validate_rules(cfg.rules)
+    rope = cfg.model.rope_scaling
+    if rope is not None and rope.type == "dynamic" and cfg.data.seq_len > rope.original_max_position_embeddings:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len}: model.rope_scaling.type=dynamic changes the frequencies "
+                          f"past original_max_position_embeddings={rope.original_max_position_embeddings}, which only "
+                          "transformers' inference does; use a shorter data.seq_len, or rope_scaling.type=yarn")
     if cfg.model.attention == "cudnn" and cfg.train.compute_dtype != "bfloat16":
         raise ConfigError(f"model.attention=cudnn: cuDNN's fused attention takes bfloat16, and train.compute_dtype "
                           f"is {cfg.train.compute_dtype}; set train.compute_dtype=bfloat16, or model.attention=auto "
@@ -180,7 +185,8 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
 def validate_model(m: ModelConfig) -> None:
     sizes = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim"]
     mla = ["q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
-    rope = ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    rope = ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+            "beta_slow", "attention_factor"]
     positive = [(f"model.{k}", getattr(m, k)) for k in [*sizes, "rope_theta", "rope_local_theta"]]
     positive += [(f"model.moe.{k}", getattr(m.moe, k)) for k in ("shared_expert_d_ff", "dense_d_ff")]
     positive += [(f"model.mla.{k}", getattr(m.mla, k)) for k in mla if m.mla is not None]

@@ -94,12 +94,31 @@ def rope(hf: dict, where: str) -> tuple[float, RopeScalingConfig | None, float |
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise ConfigError(f"{where}: rope type {kind!r} is not supported; supported: default, linear, llama3")
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if kind == "default":
         return float(theta), None, float(local)
+    return float(theta), rope_scaling(scaling, kind, hf, where), float(local)
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+"""The rope types we read (transformers' rope_type; `dynamic` only within its max_position_embeddings)."""
+
+
+def rope_scaling(scaling: dict, kind: str, hf: dict, where: str) -> RopeScalingConfig:
+    """Our rope_scaling for config.json's rope_scaling / rope_parameters of type `kind`, with the
+    defaults transformers' rope init functions take for the keys it lacks."""
     fields = {f.name for f in dataclasses.fields(RopeScalingConfig)} - {"type"}
-    return float(theta), RopeScalingConfig(type=kind, **{k: v for k, v in scaling.items() if k in fields}), float(local)
+    given = {k: v for k, v in scaling.items() if k in fields and v is not None}
+    if kind == "dynamic":  # transformers rescales past max_position_embeddings
+        given["original_max_position_embeddings"] = hf.get("max_position_embeddings", 2048)
+    if kind == "yarn":
+        if "original_max_position_embeddings" not in given:
+            raise ConfigError(f"{where}: rope type 'yarn' needs original_max_position_embeddings")
+        if "factor" not in given:  # DeepSeek's convention: the context's growth
+            given["factor"] = hf["max_position_embeddings"] / given["original_max_position_embeddings"]
+        given.update({k: given.get(k) or v for k, v in (("beta_fast", 32.0), ("beta_slow", 1.0))})
+    return RopeScalingConfig(type=kind, **given)
 
 
 def moe_fields(hf: dict, family: Family, where: str) -> dict:
@@ -219,7 +238,17 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
         out["rope_scaling"] = rope
     else:
         out.pop("rope_scaling", None)
+    if base is not None and same_rope(base, m):  # the rope keys as the imported config.json wrote them
+        for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+            out.pop(key, None)
+            out.update({key: base[key]} if key in base else {})
     return out
+
+
+def same_rope(hf: dict, m: ModelConfig) -> bool:
+    """Whether config.json `hf` rotates as our model config does."""
+    theta, scaling, local = rope(hf, "config.json")
+    return (theta, scaling) == (m.rope_theta, m.rope_scaling) and m.rope_local_theta in (None, local)
 
 
 def gemma_keys(m: ModelConfig, family: Family, rope: dict) -> dict:
@@ -242,11 +271,12 @@ def rope_parameters(m: ModelConfig) -> dict:
     s = m.rope_scaling
     if s is None:
         return {"rope_type": "default", "rope_theta": m.rope_theta}
-    if s.type == "linear":
-        return {"rope_type": "linear", "factor": s.factor, "rope_theta": m.rope_theta}
-    rope = {**dataclasses.asdict(s), "rope_type": s.type, "rope_theta": m.rope_theta}
-    rope.pop("type")
-    return rope
+    keys = {"linear": ["factor"], "dynamic": ["factor"],
+            "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+            "yarn": ["factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                     "attention_factor", "mscale", "mscale_all_dim"]}[s.type]
+    return {"rope_type": s.type, "rope_theta": m.rope_theta,
+            **{k: getattr(s, k) for k in keys if getattr(s, k) is not None}}
 
 
 def moe_keys(m: ModelConfig, moe: Moe, out: dict, base: dict | None) -> dict:

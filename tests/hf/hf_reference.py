@@ -14,7 +14,10 @@ rotary and 8 other query/key channels, 12 value channels), 4 sigmoid-routed expe
 (1 kept), top 2 renormalised x 2.5, a random balancing bias, one shared expert; deepseek_v3_full_q
 the same with a full query projection (q_lora_rank null, DeepSeek-V2-Lite's); the `_v_eq_rope` pair
 the same two with 16 rotary, other query/key and value channels each (no size tells value rows from
-rotary ones).
+rotary ones). deepseek_v3_yarn and kimi_k2: the published DeepSeek-V3 / Kimi-K2 config.json's shape
+fields scaled down (3 layers, 8 experts in 4 groups keeping 2 / in 1 group, q rank 24, 16 other
+query/key and value channels, 8 rotary) and their rope keys verbatim (top-level rope_theta and
+rope_scaling of type yarn, factor 40 / 32, with mscale and mscale_all_dim).
 """
 
 import dataclasses
@@ -30,7 +33,8 @@ from shardtrain import config
 from shardtrain.parallel import mesh as mesh_lib, sharding
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
-MLA_FAMILIES = ["deepseek_v3", "deepseek_v3_full_q", "deepseek_v3_v_eq_rope", "deepseek_v3_full_q_v_eq_rope"]
+MLA_FAMILIES = ["deepseek_v3", "deepseek_v3_full_q", "deepseek_v3_v_eq_rope", "deepseek_v3_full_q_v_eq_rope",
+                "deepseek_v3_yarn", "kimi_k2"]
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", *MLA_FAMILIES]
 NEW_FAMILIES = ["olmo2", "gemma2", "gemma3"]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *NEW_FAMILIES]

@@ -81,8 +81,12 @@ def test_published_config_files_map_to_our_fields():
     assert qwen_windowed.sliding_window == 131072 and model_config(hf_config(qwen_windowed)) == qwen_windowed
     with pytest.raises(ConfigError, match="20 of 28 layers use sliding_window=131072 and the others full"):
         model_config({**qwen25_7b, "use_sliding_window": True, "max_window_layers": 8})
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
-        model_config({**qwen25_7b, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    qwen_long = model_config({**qwen25_7b, "rope_scaling": {  # Qwen2.5's long-context setting
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
+    assert (qwen_long.rope_scaling.type, qwen_long.rope_scaling.factor) == ("yarn", 4.0)
+    assert model_config(hf_config(qwen_long)) == qwen_long
+    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
+        model_config({**qwen25_7b, "rope_scaling": {"type": "longrope", "factor": 4.0}})
 
 
 def test_each_moe_family_comes_back_as_its_own_config_json():
@@ -188,7 +192,7 @@ def test_deepseek_v3_config_file_maps_to_our_fields_and_back():
     assert model_config(hf_config(m)) == m
     v2_lite = {**DEEPSEEK_V3, "q_lora_rank": None}  # V2-Lite's full query projection
     assert model_config(v2_lite).mla.q_lora_rank is None
-    for bad, message in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "rope type 'yarn' is not supported"),
+    for bad, message in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "'yarn' needs original_max_position_emb"),
                          ({"rope_interleave": False}, "rope_interleave=false is not supported"),
                          ({"num_key_value_heads": 8}, "num_key_value_heads=8 is not supported"),
                          ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
