@@ -36,7 +36,7 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     if hf.get("attention_bias") and not family.qkv_bias:
         raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
-    theta, rope_scaling, local_theta = rope(hf, where)
+    theta, rope_scaling, local_theta = rope(hf, where, family)
     head_dim = hf.get("head_dim") or d // h
     window, pattern = sliding_window(hf, family, where)
     fields = dict(sliding_window=window, layer_pattern=pattern,
@@ -77,10 +77,11 @@ def extras(hf: dict, family: Family, local_theta: float | None, where: str) -> d
     return out
 
 
-def rope(hf: dict, where: str) -> tuple[float, RopeScalingConfig | None, float | None]:
+def rope(hf: dict, where: str, family: Family) -> tuple[float, RopeScalingConfig | None, float | None]:
     """(rope_theta, rope scaling or None, the local layers' rope_theta or None) of an HF config.json.
-    Gemma 3 rotates its local (sliding_attention) layers by a base of their own, without scaling:
-    rope_parameters per layer type (transformers 5) or rope_local_base_freq."""
+    Gemma 3 and OLMo 3 rotate their local (sliding_attention) layers by a base of their own, without
+    scaling: rope_parameters per layer type (transformers 5), or the family's key (Gemma 3's
+    rope_local_base_freq) or default (Family.local_theta)."""
     params = hf.get("rope_parameters") or {}
     local = None
     if "full_attention" in params:  # per layer type
@@ -90,7 +91,7 @@ def rope(hf: dict, where: str) -> tuple[float, RopeScalingConfig | None, float |
                               "not supported; supported: default")
         local = local_params.get("rope_theta")
     if local is None:
-        local = hf.get("rope_local_base_freq", 10000.0)
+        local = hf.get(family.local_theta_key, family.local_theta)
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
@@ -247,22 +248,25 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
 
 def same_rope(hf: dict, m: ModelConfig) -> bool:
     """Whether config.json `hf` rotates as our model config does."""
-    theta, scaling, local = rope(hf, "config.json")
+    theta, scaling, local = rope(hf, "config.json", family_of(hf, "config.json"))
     return (theta, scaling) == (m.rope_theta, m.rope_scaling) and m.rope_local_theta in (None, local)
 
 
 def gemma_keys(m: ModelConfig, family: Family, rope: dict) -> dict:
-    """The keys of a Gemma config.json: layer kinds, window, attention scale, soft caps and (Gemma 3)
-    rope_parameters per layer type."""
+    """The keys of a config.json with layer_types (Gemma, OLMo 3): layer kinds, window, (Gemma) attention
+    scale and soft caps, and (Gemma 3, OLMo 3) rope_parameters per layer type."""
     kinds = m.layer_pattern or (("local",) if m.sliding_window else ("global",))
     names = {kind: name for name, kind in LAYER_KINDS.items()}
-    out = {"layer_types": [names[kinds[i % len(kinds)]] for i in range(m.n_layers)], "sliding_window": m.sliding_window,
-           "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_size,
-           "attn_logit_softcapping": m.attn_softcap, "final_logit_softcapping": m.final_softcap}
+    out = {"layer_types": [names[kinds[i % len(kinds)]] for i in range(m.n_layers)], "sliding_window": m.sliding_window}
+    if "query_pre_attn_scalar" in family.extras:
+        out.update(query_pre_attn_scalar=m.query_pre_attn_scalar or m.head_size,
+                   attn_logit_softcapping=m.attn_softcap, final_logit_softcapping=m.final_softcap)
     if "rope_local_theta" in family.extras:
         local = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
-        out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
-            "rope_type": "default", "rope_theta": local}}, rope_local_base_freq=local)
+        sliding = {"rope_type": "default", "rope_theta": local}
+        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": sliding}
+        if family.local_theta_key:
+            out[family.local_theta_key] = local
     return out
 
 

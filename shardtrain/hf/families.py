@@ -5,7 +5,8 @@ All of them are configs of the one decoder in models/gpt.py. A family differs fr
 - its attention: q/k/v biases (Qwen2), RMSNorm on each query and key head (Qwen3);
 - the model fields it fixes (`traits`: OLMo 2's norms after the sublayers, Gemma's GeGLU, ...) and
   the optional ones its config.json can hold (`extras`: Gemma's soft caps, ...);
-- how config.json decides the sliding window (`window`: Gemma's `layer_types` mix local and global layers);
+- how config.json decides the sliding window (`window`: Gemma's and OLMo 3's `layer_types` mix local and
+  global layers; the local ones' rotary base: `local_theta_key`, `local_theta`);
 - for a mixture of experts: which config.json key holds each of our MoE fields, the defaults when
   a key is absent, and the names of its MoE MLP's tensors;
 - DeepSeek-V3's latent attention (`mla`).
@@ -74,6 +75,12 @@ class Family:
     """Multi-head latent attention (DeepSeek): our model.mla from config.json's q_lora_rank, ...."""
     act_key: str = "hidden_act"
     """The config.json key of the MLP's activation."""
+    local_theta_key: str | None = "rope_local_base_freq"
+    """With rope_local_theta in extras: config.json's key of the local layers' rotary base besides
+    rope_parameters per layer type (Gemma 3's; OLMo 3 has none)."""
+    local_theta: float = 10000.0
+    """... and that base when config.json gives neither (OLMo 3: transformers' default_theta, whatever
+    rope_theta says)."""
 
     def trait(self, name: str):
         """The value the family fixes for ModelConfig field `name` (one of TRAITS)."""
@@ -102,6 +109,8 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
     Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window="use_sliding_window"),
     Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window="use_sliding_window"),
     Family("Olmo2ForCausalLM", "olmo2", qk_norm=True, traits={"norm_position": "post", "qk_norm_scope": "projection"}),
+    Family("Olmo3ForCausalLM", "olmo3", qk_norm=True, traits={"norm_position": "post", "qk_norm_scope": "projection"},
+           window="layer_types", pattern=4, extras=("rope_local_theta",), local_theta_key=None, local_theta=500000.0),
     Family("Gemma2ForCausalLM", "gemma2", **GEMMA, pattern=2,
            extras=("query_pre_attn_scalar", "attn_softcap", "final_softcap")),
     Family("Gemma3ForCausalLM", "gemma3", **GEMMA, pattern=6, qk_norm=True, extras=EXTRAS),

@@ -9,6 +9,8 @@ top 2): Mixtral, Qwen2-MoE with a gated shared expert and unnormalised top-k wei
 OLMo 2: post-norms, qk-norm over the whole projection. Gemma 2 (3 layers: local, global, local;
 window 6, soft caps) and Gemma 3 (4 layers: local, local, global, local; qk-norm, the local
 layers' rotary base, linear scaling on the global ones): head_dim 16, query_pre_attn_scalar 24.
+OLMo 3 (4 layers: three local (window 6), one global): OLMo 2's norms, yarn on the global layer as
+published (top-level rope_scaling, attention_factor 1.21), the local ones unscaled.
 DeepSeek-V3 (3 layers: one dense, two MoE): multi-head latent attention (q and kv ranks 16, 8
 rotary and 8 other query/key channels, 12 value channels), 4 sigmoid-routed experts in 2 groups
 (1 kept), top 2 renormalised x 2.5, a random balancing bias, one shared expert; deepseek_v3_full_q
@@ -36,7 +38,7 @@ FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
 MLA_FAMILIES = ["deepseek_v3", "deepseek_v3_full_q", "deepseek_v3_v_eq_rope", "deepseek_v3_full_q_v_eq_rope",
                 "deepseek_v3_yarn", "kimi_k2"]
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", *MLA_FAMILIES]
-NEW_FAMILIES = ["olmo2", "gemma2", "gemma3"]
+NEW_FAMILIES = ["olmo2", "gemma2", "gemma3", "olmo3"]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *NEW_FAMILIES]
 
 

@@ -131,6 +131,32 @@ def test_olmo2_config_file_maps_to_our_fields_and_back():
         model_config({**OLMO2_7B, "hidden_act": "gelu"})
 
 
+OLMO3_7B = {"architectures": ["Olmo3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0, "sliding_window": 4096, "vocab_size": 100278, "hidden_act": "silu",
+            "max_position_embeddings": 65536, "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 8,
+            "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32, "beta_slow": 1,
+                             "attention_factor": 1.20794415416798, "original_max_position_embeddings": 8192}}
+"""OLMo-3-7B-Think's config.json (the fields that matter)."""
+
+
+def test_olmo3_config_file_maps_to_our_fields_and_back():
+    """OLMo 2's norms with layer_types (three local layers, one global) and yarn on the global layers only;
+    without per-layer-type rope_parameters transformers gives the local layers its default base 5e5,
+    whatever rope_theta says."""
+    m = model_config(OLMO3_7B)
+    assert (m.name, m.norm_position, m.qk_norm_scope, m.layer_pattern, m.sliding_window) == (
+        "olmo3", "post", "projection", ("local", "local", "local", "global"), 4096)
+    assert (m.rope_scaling.type, m.rope_scaling.attention_factor, m.rope_local_theta) == ("yarn", 1.20794415416798, 5e5)
+    fresh = hf_config(m)  # no imported config.json: rope_parameters per layer type, no Gemma keys
+    assert fresh["architectures"] == ["Olmo3ForCausalLM"] and "query_pre_attn_scalar" not in fresh
+    assert fresh["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 500000.0}
+    assert model_config(fresh) == m
+    assert model_config({**OLMO3_7B, "rope_theta": 1e4}).rope_local_theta == 5e5
+    with pytest.raises(ConfigError, match="layer_types .* not supported"):
+        model_config({**OLMO3_7B, "num_hidden_layers": 8})
+
+
 def test_gemma_config_files_map_to_our_fields_and_back():
     """Published config.json files (the fields that matter): Gemma-2-9B and Gemma-3-1B (26 layers:
     four groups of five local + one global, then two local layers), Gemma 3 in its older form
