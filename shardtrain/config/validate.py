@@ -200,7 +200,9 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.sliding_window is not None and m.sliding_window < 1:
         raise ConfigError(f"model.sliding_window: must be >= 1 (or null: the whole context), got {m.sliding_window}")
-    if m.layer_pattern and m.sliding_window is None and "local" in m.layer_pattern:
+    if m.attention_chunk is not None and m.attention_chunk < 1:
+        raise ConfigError(f"model.attention_chunk: must be >= 1 (or null), got {m.attention_chunk}")
+    if m.layer_pattern and m.sliding_window is None and m.attention_chunk is None and "local" in m.layer_pattern:
         raise ConfigError(f"model.layer_pattern={list(m.layer_pattern)} has local layers but model.sliding_window "
                           "is null; set the window they use")
     for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
@@ -227,6 +229,9 @@ def validate_moe(e: MoeConfig, n_layers: int) -> None:
             raise ConfigError(f"model.moe.n_groups={e.n_groups} must divide model.moe.n_experts={e.n_experts}, "
                               f"model.moe.topk_groups={e.topk_groups} be between 1 and n_groups, and their experts "
                               f"hold model.moe.experts_per_token={e.experts_per_token}")
+    if e.n_experts > 1 and not all(0 <= i < n_layers for i in e.dense_layers):
+        raise ConfigError(f"model.moe.dense_layers={list(e.dense_layers)}: each must be a layer index, 0 to "
+                          f"{n_layers - 1}")
     if e.n_experts > 1 and not 0 <= e.first_dense_layers < n_layers:
         raise ConfigError(f"model.moe.first_dense_layers={e.first_dense_layers} must be between 0 and "
                           f"model.n_layers - 1 = {n_layers - 1}")

@@ -48,7 +48,47 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         **{k: family.trait(k) for k in TRAIT_DEFAULTS}, **extras(hf, family, local_theta, where))
     if family.mla:
         fields.update(mla_fields(hf, where))
-    return ModelConfig(**{**fields, **moe_fields(hf, family, where)})
+    fields.update(moe_fields(hf, family, where))
+    if family.llama4:
+        fields.update(llama4_fields(hf, fields["moe"], where))
+    return ModelConfig(**fields)
+
+
+def llama4_fields(hf: dict, moe: MoeConfig, where: str) -> dict:
+    """Llama 4's fields: rotary layers attend in chunks (local), the NoPE ones (every
+    no_rope_layer_interval-th) to everything with a temperature (global); dense layers (not in
+    moe_layers) of intermediate_size_mlp among the MoE ones, whose shared expert has the experts' size."""
+    n = hf["num_hidden_layers"]
+    interval = hf.get("no_rope_layer_interval", 4)
+    rotary = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    step = hf.get("interleave_moe_layer_step", 1)
+    moe_layers = hf.get("moe_layers")
+    moe_layers = list(range(step - 1, n, step)) if moe_layers is None else moe_layers
+    chunk = hf.get("attention_chunk_size", 8192)
+    types = ["chunked_attention" if r and chunk is not None else "full_attention" for r in rotary]
+    if (hf.get("layer_types") or types) != types or chunk is None or len(rotary) != n:
+        raise ConfigError(f"{where}: layer_types {hf.get('layer_types')} / attention_chunk_size {chunk} / "
+                          f"no_rope_layers {rotary}: only chunked rotary layers and full NoPE layers are supported")
+    kinds = ["local" if r else "global" for r in rotary]
+    g = next(g for g in range(1, n + 1) if all(kinds[i] == kinds[i % g] for i in range(n)))
+    tuning = hf.get("attn_temperature_tuning", True)
+    return dict(layer_pattern=tuple(kinds[:g]), attention_chunk=int(chunk), global_nope="global" in kinds,
+                attn_temperature=float(hf.get("attn_scale", 0.1)) if tuning else None,
+                attn_temperature_floor=int(hf.get("floor_scale", 8192)), qk_l2_norm=bool(hf.get("use_qk_norm", True)),
+                moe=dataclasses.replace(moe, dense_layers=tuple(i for i in range(n) if i not in moe_layers),
+                                        dense_d_ff=hf.get("intermediate_size_mlp", 16384)))
+
+
+def llama4_keys(m: ModelConfig) -> dict:
+    """The Llama 4 keys of config.json (llama4_fields' inverse)."""
+    kinds = [m.layer_pattern[i % len(m.layer_pattern)] if m.layer_pattern else "local" for i in range(m.n_layers)]
+    return {"no_rope_layers": [int(k == "local" or not m.global_nope) for k in kinds],
+            "layer_types": ["chunked_attention" if k == "local" else "full_attention" for k in kinds],
+            "attention_chunk_size": m.attention_chunk, "attn_temperature_tuning": m.attn_temperature is not None,
+            "attn_scale": m.attn_temperature or 0.1, "floor_scale": m.attn_temperature_floor,
+            "use_qk_norm": m.qk_l2_norm,
+            "moe_layers": [i for i in range(m.n_layers) if i not in m.moe.dense_layers],
+            "intermediate_size_mlp": m.moe.dense_d_ff or m.d_ff}
 
 
 def mla_fields(hf: dict, where: str) -> dict:
@@ -218,6 +258,8 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
                tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
     if family.moe is not None:
         out.update(moe_keys(m, family.moe, out, base))
+    if family.llama4:
+        out.update(llama4_keys(m))
     if family.mla:
         a = m.mla
         out.update(q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,

@@ -11,6 +11,9 @@ window 6, soft caps) and Gemma 3 (4 layers: local, local, global, local; qk-norm
 layers' rotary base, linear scaling on the global ones): head_dim 16, query_pre_attn_scalar 24.
 OLMo 3 (4 layers: three local (window 6), one global): OLMo 2's norms, yarn on the global layer as
 published (top-level rope_scaling, attention_factor 1.21), the local ones unscaled.
+Llama 4 (4 layers: rotary ones attending in chunks of 4, NoPE ones with the attention temperature
+alternating; dense, MoE, MoE, dense; 4 experts, top 1 by sigmoid-scaled input, a shared expert; qk
+L2 norm; llama3 rope).
 DeepSeek-V3 (3 layers: one dense, two MoE): multi-head latent attention (q and kv ranks 16, 8
 rotary and 8 other query/key channels, 12 value channels), 4 sigmoid-routed experts in 2 groups
 (1 kept), top 2 renormalised x 2.5, a random balancing bias, one shared expert; deepseek_v3_full_q
@@ -37,7 +40,7 @@ from shardtrain.parallel import mesh as mesh_lib, sharding
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
 MLA_FAMILIES = ["deepseek_v3", "deepseek_v3_full_q", "deepseek_v3_v_eq_rope", "deepseek_v3_full_q_v_eq_rope",
                 "deepseek_v3_yarn", "kimi_k2"]
-MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", *MLA_FAMILIES]
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", *MLA_FAMILIES, "llama4"]
 NEW_FAMILIES = ["olmo2", "gemma2", "gemma3", "olmo3"]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *NEW_FAMILIES]
 

@@ -157,6 +157,38 @@ def test_olmo3_config_file_maps_to_our_fields_and_back():
         model_config({**OLMO3_7B, "num_hidden_layers": 8})
 
 
+LLAMA4_SCOUT = {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_size": 5120,
+                "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_attention_heads": 40,
+                "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 48, "num_local_experts": 16,
+                "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "attention_chunk_size": 8192,
+                "use_qk_norm": True, "no_rope_layers": [], "attn_temperature_tuning": True, "floor_scale": 8192,
+                "attn_scale": 0.1, "rope_theta": 500000.0, "vocab_size": 202048, "rms_norm_eps": 1e-5,
+                "hidden_act": "silu", "tie_word_embeddings": False, "rope_scaling": {
+                    "rope_type": "llama3", "factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                    "original_max_position_embeddings": 8192}}
+"""Llama-4-Scout-17B-16E's text_config (the fields that matter)."""
+
+
+def test_llama4_config_file_maps_to_our_fields_and_back():
+    """Scout: every 4th layer NoPE (global, with the temperature), the others rotary in chunks of 8192
+    with the qk L2 norm; every layer MoE (16 experts, top 1, sigmoid-scaled inputs, a shared expert);
+    Maverick's interleaving (interleave_moe_layer_step 2) leaves every other layer dense. The vision
+    model is refused in one line."""
+    m = model_config(LLAMA4_SCOUT)
+    assert (m.name, m.layer_pattern, m.attention_chunk, m.global_nope, m.attn_temperature, m.qk_l2_norm) == (
+        "llama4_text", ("local",) * 3 + ("global",), 8192, True, 0.1, True)
+    assert (m.moe.n_experts, m.moe.experts_per_token, m.moe.router, m.moe.n_shared_experts, m.moe.dense_layers,
+            m.d_ff) == (16, 1, "sigmoid_input", 1, (), 8192)
+    assert model_config(hf_config(m)) == m and hf_config(m)["architectures"] == ["Llama4ForCausalLM"]
+    maverick = model_config({**LLAMA4_SCOUT, "interleave_moe_layer_step": 2, "num_local_experts": 128})
+    assert maverick.moe.dense_layers == tuple(range(0, 48, 2)) and maverick.moe.dense_d_ff == 16384
+    assert len(maverick.mlp_runs) == 48 and model_config(hf_config(maverick)) == maverick
+    with pytest.raises(ConfigError, match="Llama4ForConditionalGeneration .Llama 4 with its vision tower. is not "):
+        model_config({**LLAMA4_SCOUT, "architectures": ["Llama4ForConditionalGeneration"]})
+    with pytest.raises(ConfigError, match="only chunked rotary layers and full NoPE layers are supported"):
+        model_config({**LLAMA4_SCOUT, "attention_chunk_size": None})
+
+
 def test_gemma_config_files_map_to_our_fields_and_back():
     """Published config.json files (the fields that matter): Gemma-2-9B and Gemma-3-1B (26 layers:
     four groups of five local + one global, then two local layers), Gemma 3 in its older form
