@@ -82,7 +82,7 @@ def inv_frequencies(e: int, theta: float, scaling=None) -> np.ndarray:
     scaled_f = np.where(wavelen_f > old / lo, freq_f / np.float32(scaling.factor), freq_f).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):  # hi == lo (Llama 4 Scout): no medium band to smooth
         smooth_f = ((old / wavelen_f - lo) / np.float32(hi - lo)).astype(np.float32)
-    smoothed_f = (1 - smooth_f) * scaled_f / np.float32(scaling.factor) + smooth_f * scaled_f
+        smoothed_f = (1 - smooth_f) * scaled_f / np.float32(scaling.factor) + smooth_f * scaled_f
     medium = ~(wavelen_f < old / hi) & ~(wavelen_f > old / lo)
     return np.where(medium, smoothed_f, scaled_f).astype(np.float32)
 
