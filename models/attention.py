@@ -9,6 +9,8 @@ key head), E head dim. q is not pre-scaled: every implementation scales scores b
 `segment_ids_bt` (int, one id per packed document) restricts attention to tokens of the same
 document; None means one document per row. `window` W (sliding-window attention, Mistral's
 `sliding_window`) lets query t see keys t - W + 1 .. t only; None: every earlier key.
+`attention_chunk` C (Llama 4) lets it see only the earlier keys of its aligned chunk of C positions,
+as segment ids (`chunk_segments`), under every implementation.
 
 - `xla`: `jax.nn.dot_product_attention`, which materialises the B x H x T x T scores. The reference;
   fastest on CPU at short T. A window is its `local_window_size` (W - 1, 0). With a soft cap (which
@@ -62,7 +64,8 @@ def resolve(impl: str, platform: str | None = None) -> str:
 
 
 def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, impl: str = "auto",
-           constrain=None, window: int | None = None, scale: float | None = None, softcap: float | None = None):
+           constrain=None, window: int | None = None, scale: float | None = None, softcap: float | None = None,
+           attention_chunk: int | None = None):
     """Causal attention of q over k, v (see the module docstring); returns o_bthe in q's dtype.
     `positions_bt` matter only to ring attention, whose masks come from them (the trainer feeds a
     context-parallel sequence out of order); None: 0..T-1.
@@ -77,6 +80,8 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
     if impl == "cudnn" and softcap is not None:
         raise ValueError("cudnn attention has no soft cap (model.attn_softcap); use chunked")
     scale = q_bthe.shape[-1] ** -0.5 if scale is None else scale
+    if attention_chunk is not None:
+        segment_ids_bt = chunk_segments(segment_ids_bt, positions_bt, q_bthe.shape[:2], attention_chunk)
     if constrain is not None and constrain.size("seq") > 1:
         return ring(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, constrain=constrain,
                     chunk=None if impl == "xla" else CHUNK, window=window, scale=scale, softcap=softcap)
@@ -92,6 +97,15 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
         return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, window=window, scale=scale, softcap=softcap)
     return splash(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, interpret=platform != "tpu",
                   window=window, scale=scale, softcap=softcap)
+
+
+def chunk_segments(segment_ids_bt, positions_bt, bt, chunk: int):
+    """Segment ids under which attention stays within aligned chunks of `chunk` positions (Llama 4's
+    chunked attention): each (document, chunk) pair its own segment, so every implementation's
+    segment masking (splash's and ring attention's included) does it. Positions default to 0..T-1."""
+    pos_bt = jnp.arange(bt[1]) if positions_bt is None else positions_bt
+    seg_bt = jnp.zeros(bt, jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
+    return seg_bt * 65536 + jnp.broadcast_to(pos_bt, bt).astype(jnp.int32) // chunk  # < 2^16 chunks a row
 
 
 # ----------------------------------------------------------------------------- chunked XLA

@@ -7,7 +7,9 @@ OLMo 2 norms the sublayers' outputs instead of their inputs (norm_position=post)
 keys over the whole projection (qk_norm_scope=projection). Gemma 2/3 norm both (pre_post) with
 1 + w (norm_scale), GeGLU (activation=gelu_tanh), scaled embeddings, their own attention scale and
 soft caps, and local (windowed) layers among global ones (layer_pattern: the scan runs over groups
-of layers, models/__init__.py `scan_layers`), Gemma 3 with its own rotary base for the local ones. The rotary
+of layers, models/__init__.py `scan_layers`), Gemma 3 with its own rotary base for the local ones. Llama 4's
+local layers attend in chunks (attention_chunk) with a weightless qk norm, its global ones without rotary
+and with a temperature (global_nope, attn_temperature); yarn and dynamic rope are models/rope.py's. The rotary
 layout is Hugging Face's: the head dimension is split into halves [x1, x2], rotated as
 [x1 cos - x2 sin, x2 cos + x1 sin] with frequencies theta^(-2i/E), so HF weights load unpermuted.
 
@@ -28,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models import LORA_A, LORA_B, adapted_weights, attention, moe
+from models import LORA_A, LORA_B, adapted_weights, attention, moe, rope
 from models.contract import no_constraint
 from models.layers import (
     BTD,
@@ -69,17 +71,20 @@ def softcap(x, cap):
 
 def inv_frequencies(e: int, theta: float, scaling=None) -> np.ndarray:
     """The E/2 rotary frequencies (float32, as transformers computes them), with `scaling`
-    (a config with type linear / llama3, factor, ...) applied."""
+    (a config with type linear / llama3 / yarn / dynamic, factor, ...; models/rope.py) applied."""
     freq_f = (1.0 / (theta ** (np.arange(0, e, 2, dtype=np.float32) / np.float32(e)))).astype(np.float32)
     if scaling is None:
         return freq_f
     if scaling.type == "linear":
         return (freq_f / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.type in ("yarn", "dynamic"):  # dynamic: unscaled within original_max_position_embeddings
+        return rope.yarn_frequencies(e, theta, scaling) if scaling.type == "yarn" else freq_f
     old, lo, hi = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
     wavelen_f = (2 * math.pi / freq_f).astype(np.float32)
     scaled_f = np.where(wavelen_f > old / lo, freq_f / np.float32(scaling.factor), freq_f).astype(np.float32)
-    smooth_f = ((old / wavelen_f - lo) / (hi - lo)).astype(np.float32)
-    smoothed_f = (1 - smooth_f) * scaled_f / np.float32(scaling.factor) + smooth_f * scaled_f
+    with np.errstate(divide="ignore", invalid="ignore"):  # hi == lo (Llama 4 Scout): no medium band to smooth
+        smooth_f = ((old / wavelen_f - lo) / np.float32(hi - lo)).astype(np.float32)
+        smoothed_f = (1 - smooth_f) * scaled_f / np.float32(scaling.factor) + smooth_f * scaled_f
     medium = ~(wavelen_f < old / hi) & ~(wavelen_f > old / lo)
     return np.where(medium, smoothed_f, scaled_f).astype(np.float32)
 
@@ -91,6 +96,8 @@ def rotary(x_bthe, theta: float, positions_bt=None, scaling=None):
         positions_bt = jnp.arange(t, dtype=jnp.int32)[None, :]
     angle_btf = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_frequencies(e, theta, scaling))
     sin, cos = jnp.sin(angle_btf)[:, :, None, :], jnp.cos(angle_btf)[:, :, None, :]
+    if (factor := rope.attention_factor(scaling)) != 1.0:  # yarn's, on cos and sin as transformers applies it
+        sin, cos = sin * factor, cos * factor
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
 
@@ -127,6 +134,8 @@ class Block(nnx.Module):
         self.quantization = quantization
         self.rope_scaling, self.eps, self.window = cfg.rope_scaling, cfg.rms_norm_eps, cfg.sliding_window
         self.kinds, self.local_theta = tuple(cfg.layer_pattern), cfg.rope_local_theta
+        self.chunk, self.global_nope, self.qk_l2_norm = cfg.attention_chunk, cfg.global_nope, cfg.qk_l2_norm
+        self.temperature = None if cfg.attn_temperature is None else (cfg.attn_temperature, cfg.attn_temperature_floor)
         self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
         self.softcap, self.plus_one = cfg.attn_softcap, cfg.norm_scale == "one_plus_weight"
         self.act = jax.nn.silu if cfg.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
@@ -139,7 +148,8 @@ class Block(nnx.Module):
         self.mla = cfg.mla
         if cfg.mla is not None:
             self._mla(cfg, rngs, norm_init)
-            self.scale = (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) ** -0.5
+            qk = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
+            self.scale = qk ** -0.5 * rope.score_scale(cfg.rope_scaling)
         else:
             self.wq_dhe = param(rngs, normal(d ** -0.5), (d, h, e), LOGICAL["wq_dhe"])
             self.wk_dke = param(rngs, normal(d ** -0.5), (d, k, e), LOGICAL["wk_dke"])
@@ -249,6 +259,10 @@ class Block(nnx.Module):
         """The attention window of a layer of `kind` (layer_pattern's; None: no pattern, all alike)."""
         return self.window if kind in (None, "local") else None
 
+    def chunk_of(self, kind):
+        """The attention chunk of a layer of `kind` (model.attention_chunk: the local layers')."""
+        return self.chunk if kind == "local" else None
+
     def qkv(self, x_btd, positions_bt=None, kind=None):
         """Queries, keys (both rotated, as a layer of `kind` rotates) and values of the (normed) input."""
         c = self.constrain
@@ -264,9 +278,22 @@ class Block(nnx.Module):
         theta, scaling = self.theta, self.rope_scaling
         if kind == "local" and self.local_theta is not None:
             theta, scaling = self.local_theta, None
-        q_bthe = c(rotary(q_bthe, theta, positions_bt, scaling), BTHE)
-        k_btke = c(rotary(k_btke, theta, positions_bt, scaling), BTKE)
-        return q_bthe, k_btke, c(v_btke, BTKE)
+        if kind == "global" and self.global_nope:  # Llama 4's NoPE layers: no rotary, a temperature
+            return c(self.tempered(q_bthe, positions_bt), BTHE), c(k_btke, BTKE), c(v_btke, BTKE)
+        q_bthe, k_btke = rotary(q_bthe, theta, positions_bt, scaling), rotary(k_btke, theta, positions_bt, scaling)
+        if self.qk_l2_norm:
+            q_bthe, k_btke = rms_norm(q_bthe, 1.0, self.eps), rms_norm(k_btke, 1.0, self.eps)
+        return c(q_bthe, BTHE), c(k_btke, BTKE), c(v_btke, BTKE)
+
+    def tempered(self, q_bthe, positions_bt=None):
+        """Queries times Llama 4's attention temperature 1 + s ln(1 + floor((p + 1) / floor)) at their
+        positions p (0..T-1 by default); unchanged without model.attn_temperature."""
+        if self.temperature is None:
+            return q_bthe
+        s, floor = self.temperature
+        p_bt = jnp.arange(q_bthe.shape[1])[None] if positions_bt is None else positions_bt
+        scale_bt = jnp.log1p(jnp.floor((p_bt.astype(jnp.float32) + 1.0) / floor)) * s + 1.0
+        return (q_bthe * scale_bt[:, :, None, None]).astype(q_bthe.dtype)
 
     def finish(self, x_btd, o_bthe):
         """Output projection, residual, then the gated MLP (or mixture of experts) and its residual,
@@ -290,7 +317,7 @@ class Block(nnx.Module):
         q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt, kind)
         o_bthe = attention.attend(q_bthe, k_btke, v_btke, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
                                   impl=self.attention, constrain=self.constrain, window=self.window_of(kind),
-                                  scale=self.scale, softcap=self.softcap)
+                                  scale=self.scale, softcap=self.softcap, attention_chunk=self.chunk_of(kind))
         o_bthe = checkpoint_name(self.constrain(o_bthe, BTHE), "attention_out")
         return self.finish(x_btd, o_bthe)
 
@@ -315,8 +342,20 @@ class Block(nnx.Module):
         mask_bts = (key_s[None, None, :] <= query_t[None, :, None]) & (key_s[None, None, :] >= first_b[:, None, None])
         if window is not None:
             mask_bts &= key_s[None, None, :] > query_t[None, :, None] - window
+        if (chunk := self.chunk_of(kind)) is not None:  # positions: slots after the row's left padding
+            mask_bts &= (key_s[None, None, :] - first_b[:, None, None]) // chunk == (
+                query_t[None, :, None] - first_b[:, None, None]) // chunk
         x_btd = self.finish(x_btd, cached_attention(q_bthe, keys, values, mask_bts, self.scale, self.softcap))
         return (x_btd[0] if isinstance(x_btd, tuple) else x_btd), k_bske, v_bske
+
+
+def starting_at(cfg, first: int):
+    """`cfg` for a stack of layers from layer `first` on: its layer_pattern rotated to start there."""
+    kinds = cfg.layer_pattern
+    if not kinds:
+        return cfg
+    shift = first % len(kinds)
+    return dataclasses.replace(cfg, layer_pattern=tuple(kinds[shift:]) + tuple(kinds[:shift]))
 
 
 class Gpt(nnx.Module):
@@ -343,11 +382,12 @@ class Gpt(nnx.Module):
 
         def stack(c, n):
             return stacked(lambda r: Block(c, rngs=r, constrain=constrain, quantization=quantization), n, rngs)
-        k = cfg.moe.first_dense_layers if cfg.moe.n_experts > 1 else 0
-        if k:  # DeepSeek: k dense layers, then the MoE ones, two rolled scans
+        runs = cfg.mlp_runs
+        if len(runs) > 1:  # DeepSeek: k dense layers, then the MoE ones; Llama 4: runs of either; a scan each
             dense_cfg = dataclasses.replace(cfg, d_ff=cfg.moe.dense_d_ff or cfg.d_ff,
                                             moe=dataclasses.replace(cfg.moe, n_experts=0))
-            self.blocks = Stages(dense=stack(dense_cfg, k), sparse=stack(cfg, cfg.n_layers - k))
+            self.blocks = Stages(**{name: stack(starting_at(dense_cfg if dense else cfg, first), count)
+                                    for name, first, count, dense in runs})
         else:
             self.blocks = stack(cfg, cfg.n_layers)
         self.final_norm = param(rngs, zeros if self.plus_one else ones, (cfg.d_model,), (None,))
@@ -411,8 +451,8 @@ class Gpt(nnx.Module):
                 x_btd, k_bske, v_bske = nnx.merge(graphdef, layer_state).decode(
                     x_btd, k_bske, v_bske, slot, positions_bt, first_b, kind)
                 return x_btd, (k_bske, v_bske)
-            x_btd, (k_lbske, v_lbske) = scan_layers(
-                body, x_btd, (state, cache["k"][first:first + n], cache["v"][first:first + n]), self.kinds)
+            x_btd, (k_lbske, v_lbske) = scan_layers(body, x_btd, (state, cache["k"][first:first + n],
+                                                               cache["v"][first:first + n]), stage.kinds)
             ks, vs, first = ks + [k_lbske], vs + [v_lbske], first + n
         cat = (lambda a: a[0]) if len(ks) == 1 else jnp.concatenate
         return self.head(x_btd), {"k": cat(ks), "v": cat(vs)}
@@ -438,6 +478,6 @@ class Gpt(nnx.Module):
         embedding table) plus attention's scores and values, 12 L T H E. For a mixture of experts
         N counts the active parameters: each token's experts_per_token experts, not all of them."""
         head_dims = cfg.n_heads * cfg.head_size
-        moe_layers = cfg.n_layers - cfg.moe.first_dense_layers  # DeepSeek: the first layers are dense
+        moe_layers = sum(count for _, _, count, dense in cfg.mlp_runs if not dense)  # DeepSeek, Llama 4: some dense
         inactive = moe_layers * moe.inactive_params(cfg) if cfg.moe.n_experts > 1 else 0
         return 6 * (matmul_params(cfg, n_params) - inactive) + 12 * cfg.n_layers * seq_len * head_dims

@@ -183,7 +183,8 @@ def exclusive_cumsum(x):
 def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, *, cfg,
                   quantization="none", platform=None):
     """One device's tokens through their experts (see the module docstring), the grouped matmuls
-    quantized by `quantization`, by kernels for `platform` (`grouped`); returns out_btd."""
+    quantized by `quantization`, by kernels for `platform` (`grouped`); returns out_btd. With router
+    `sigmoid_input` (Llama 4) the weights scale each assignment's input instead of its output."""
     b, t, d = x_btd.shape
     k = top_i_btk.shape[-1]
     w_gate_edf = shard.all_gather(w_gate_edf, "expert_embed", axis=1)
@@ -214,7 +215,11 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
     if platform == "gpu":  # the kernels' tiles
         rows = -(-rows // grouped_gemm.ROW_MULTIPLE) * grouped_gemm.ROW_MULTIPLE
     rounds = -(-shard.pmax(recv_p.sum(), "experts") // rows)  # the same on every device of the exchange
-    x_ad = gather_rows(jnp.repeat(x_btd.reshape(n, d), k, axis=0), order_a)
+    x_ad = jnp.repeat(x_btd.reshape(n, d), k, axis=0)
+    if cfg.moe.router == "sigmoid_input":
+        x_ad = (x_ad * weight_btk.reshape(a, 1)).astype(x_btd.dtype)
+        weight_btk = jnp.ones_like(weight_btk)
+    x_ad = gather_rows(x_ad, order_a)
     matmul = functools.partial(grouped, quantization=quantization, platform=platform)
     dispatch = functools.partial(dispatch_rounds, shard, rows, matmul)
     y_ad = dispatch(x_ad, (w_gate_edf, w_up_edf, w_down_efd), routes, rounds)
@@ -331,6 +336,10 @@ class Moe(nnx.Module):
         if cfg.moe.router == "sigmoid":
             top_i_btk, weight_btk, probs_bte = route_sigmoid(logits_bte, self.router_bias_e[...], cfg, c)
             aux = {"router_load": jax.lax.stop_gradient(expert_load(top_i_btk, cfg.moe.n_experts))}
+        elif cfg.moe.router == "sigmoid_input":  # Llama 4: top-k by logit, sigmoid(logit) scales the input
+            top_i_btk, _, probs_bte = route(logits_bte, cfg.moe.experts_per_token, c, False)
+            weight_btk = jax.nn.sigmoid(jnp.take_along_axis(logits_bte, top_i_btk, axis=-1))
+            aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         else:
             top_i_btk, weight_btk, probs_bte = route(logits_bte, cfg.moe.experts_per_token, c,
                                                      cfg.moe.norm_topk_prob)

@@ -12,15 +12,32 @@ from typing import Literal, Optional
 class RopeScalingConfig:
     """Rotary frequency scaling for contexts longer than pre-training (Hugging Face `rope_scaling`)."""
 
-    type: Literal["linear", "llama3"] = "llama3"
-    """`linear`: every frequency divided by `factor`; `llama3`: Llama 3.1's low/high-frequency blend."""
+    type: Literal["linear", "llama3", "yarn", "dynamic"] = "llama3"
+    """`linear`: every frequency divided by `factor`; `llama3`: Llama 3.1's low/high-frequency blend;
+    `yarn`: YaRN (DeepSeek-V3, Kimi-K2, gpt-oss, Qwen / OLMo 3 long context; models/rope.py);
+    `dynamic`: dynamic NTK, which changes nothing within original_max_position_embeddings (the most a
+    sequence may hold with it)."""
     factor: float = 8.0
     low_freq_factor: float = 1.0
     """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
     original_max_position_embeddings: int = 8192
-    """llama3: the pre-training context length."""
+    """llama3, yarn, dynamic: the pre-training context length (dynamic: transformers' max_position_embeddings)."""
+    beta_fast: float = 32.0
+    """yarn: frequencies that turn more than beta_fast times in the original context keep their value ..."""
+    beta_slow: float = 1.0
+    """yarn: ... those that turn fewer than beta_slow times are divided by factor; a linear ramp between."""
+    truncate: bool = True
+    """yarn: the ramp's ends rounded outward to whole dimensions (gpt-oss: false)."""
+    attention_factor: Optional[float] = None
+    """yarn: cos and sin times this; null: mscale / mscale_all_dim's ratio if both are set, else
+    0.1 ln(factor) + 1."""
+    mscale: Optional[float] = None
+    """yarn (DeepSeek): the numerator's scale of the default attention_factor."""
+    mscale_all_dim: Optional[float] = None
+    """yarn (DeepSeek): the denominator's scale; with latent attention the scores are also multiplied
+    by (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek's softmax scale."""
 
 
 @dataclass(frozen=True)
@@ -68,11 +85,12 @@ class MoeConfig:
     (mean router probability of e)."""
     router_z_loss_coef: float = 0.001
     """Weight of the router z-loss, the mean of logsumexp(router logits)^2 (ST-MoE)."""
-    router: Literal["softmax", "sigmoid"] = "softmax"
+    router: Literal["softmax", "sigmoid", "sigmoid_input"] = "softmax"
     """`softmax` (Mixtral, Qwen-MoE); `sigmoid` (DeepSeek-V3): each expert scored sigmoid(logit),
     chosen by score + a per-expert load-balancing bias (state, never a gradient: it moves by
     bias_update_rate x sign(mean load - load) each step), weighted by its score; no auxiliary
-    losses (router_aux_loss_coef and router_z_loss_coef are not used)."""
+    losses (router_aux_loss_coef and router_z_loss_coef are not used); `sigmoid_input` (Llama 4): the
+    top experts by logit, each fed the token times sigmoid(its logit), their outputs summed."""
     n_groups: int = 1
     """sigmoid: experts split into n_groups groups; each token picks among the experts of its
     topk_groups best groups (by the sum of each group's two best biased scores), DeepSeek-V3's n_group."""
@@ -86,7 +104,10 @@ class MoeConfig:
     """The first k layers have a dense MLP of dense_d_ff hidden units, the others experts
     (DeepSeek's first_k_dense_replace); the two kinds run as two rolled scans."""
     dense_d_ff: Optional[int] = None
-    """Hidden size of the first_dense_layers' MLP; default d_ff."""
+    """Hidden size of the dense layers' MLP (first_dense_layers, dense_layers); default d_ff."""
+    dense_layers: tuple[int, ...] = ()
+    """Further layers (by index) with a dense MLP among the MoE ones (Llama 4: those not in moe_layers);
+    each run of consecutive layers of one kind is its own rolled scan."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +175,19 @@ class ModelConfig:
     to the whole context (Gemma 2: [local, global]; Gemma 3: five local, one global). The layers
     run as a rolled scan over groups (n_layers need not be a multiple: the last partial group
     follows the pattern's start). Empty: every layer alike."""
+    attention_chunk: Optional[int] = None
+    """The `local` layers of layer_pattern attend within aligned chunks of this many tokens (a token
+    sees the earlier tokens of its chunk; Llama 4's attention_chunk_size) instead of sliding_window."""
+    global_nope: bool = False
+    """The `global` layers of layer_pattern use no rotary embedding (Llama 4's NoPE layers)."""
+    attn_temperature: Optional[float] = None
+    """global_nope layers: queries at position p times 1 + attn_temperature ln(1 + floor((p + 1) /
+    attn_temperature_floor)) (Llama 4's attn_scale with attn_temperature_tuning); null: none."""
+    attn_temperature_floor: int = 8192
+    """Llama 4's floor_scale."""
+    qk_l2_norm: bool = False
+    """RMS-normalise each query and key head without a weight after rotary, on the rotary layers only
+    (Llama 4's use_qk_norm)."""
     rope_local_theta: Optional[float] = None
     """Rotary base of the `local` layers of layer_pattern, without rope_scaling (Gemma 3's
     rope_local_base_freq); null: they rotate as the global ones (rope_theta, rope_scaling)."""
@@ -180,6 +214,24 @@ class ModelConfig:
     mla: Optional[MlaConfig] = None
     """Multi-head latent attention (DeepSeek-V2/V3) instead of grouped-query attention; null: off.
     Then n_kv_heads = n_heads and head_dim is unused."""
+
+    @property
+    def mlp_runs(self) -> list[tuple[str, int, int, bool]]:
+        """(name, first layer, layers, dense) of each run of consecutive layers with a dense MLP or with
+        experts (moe.first_dense_layers, moe.dense_layers), each a rolled scan of its own: named `dense`
+        and `sparse` (DeepSeek's two), later runs of a kind with their index (`dense2`, ...)."""
+        e = self.moe
+        dense = [e.n_experts <= 1 or i < e.first_dense_layers or i in e.dense_layers for i in range(self.n_layers)]
+        runs, seen = [], set()
+        for i, kind in enumerate(dense):
+            if i and kind == dense[i - 1]:
+                name, first, count, _ = runs[-1]
+                runs[-1] = (name, first, count + 1, kind)
+                continue
+            name = "dense" if kind else "sparse"
+            runs.append((name if name not in seen else f"{name}{len(runs)}", i, 1, kind))
+            seen.add(name)
+        return runs
 
     @property
     def head_size(self) -> int:

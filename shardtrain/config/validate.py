@@ -55,6 +55,11 @@ def validate(cfg: RunConfig) -> None:
     validate_hardware(cfg, with_mesh=False)
     validate_rules(cfg.rules)
     validate_objective(cfg)
+    rope = cfg.model.rope_scaling
+    if rope is not None and rope.type == "dynamic" and cfg.data.seq_len > rope.original_max_position_embeddings:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len}: model.rope_scaling.type=dynamic changes the frequencies "
+                          f"past original_max_position_embeddings={rope.original_max_position_embeddings}, which only "
+                          "transformers' inference does; use a shorter data.seq_len, or rope_scaling.type=yarn")
     if cfg.model.attention == "cudnn" and cfg.train.compute_dtype != "bfloat16":
         raise ConfigError(f"model.attention=cudnn: cuDNN's fused attention takes bfloat16, and train.compute_dtype "
                           f"is {cfg.train.compute_dtype}; set train.compute_dtype=bfloat16, or model.attention=auto "
@@ -219,7 +224,8 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
 def validate_model(m: ModelConfig) -> None:
     sizes = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim"]
     mla = ["q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
-    rope = ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    rope = ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+            "beta_slow", "attention_factor"]
     positive = [(f"model.{k}", getattr(m, k)) for k in [*sizes, "rope_theta", "rope_local_theta"]]
     positive += [(f"model.moe.{k}", getattr(m.moe, k)) for k in ("shared_expert_d_ff", "dense_d_ff")]
     positive += [(f"model.mla.{k}", getattr(m.mla, k)) for k in mla if m.mla is not None]
@@ -233,7 +239,9 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.sliding_window is not None and m.sliding_window < 1:
         raise ConfigError(f"model.sliding_window: must be >= 1 (or null: the whole context), got {m.sliding_window}")
-    if m.layer_pattern and m.sliding_window is None and "local" in m.layer_pattern:
+    if m.attention_chunk is not None and m.attention_chunk < 1:
+        raise ConfigError(f"model.attention_chunk: must be >= 1 (or null), got {m.attention_chunk}")
+    if m.layer_pattern and m.sliding_window is None and m.attention_chunk is None and "local" in m.layer_pattern:
         raise ConfigError(f"model.layer_pattern={list(m.layer_pattern)} has local layers but model.sliding_window "
                           "is null; set the window they use")
     for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
@@ -260,6 +268,9 @@ def validate_moe(e: MoeConfig, n_layers: int) -> None:
             raise ConfigError(f"model.moe.n_groups={e.n_groups} must divide model.moe.n_experts={e.n_experts}, "
                               f"model.moe.topk_groups={e.topk_groups} be between 1 and n_groups, and their experts "
                               f"hold model.moe.experts_per_token={e.experts_per_token}")
+    if e.n_experts > 1 and not all(0 <= i < n_layers for i in e.dense_layers):
+        raise ConfigError(f"model.moe.dense_layers={list(e.dense_layers)}: each must be a layer index, 0 to "
+                          f"{n_layers - 1}")
     if e.n_experts > 1 and not 0 <= e.first_dense_layers < n_layers:
         raise ConfigError(f"model.moe.first_dense_layers={e.first_dense_layers} must be between 0 and "
                           f"model.n_layers - 1 = {n_layers - 1}")

@@ -1,9 +1,10 @@
 """An HF config.json <-> our ModelConfig, each family's differences read from hf/families.py.
 
 `model_config` reads either rope form (top-level rope_theta / rope_scaling, or transformers 5's
-rope_parameters, Gemma 3's per layer type) and refuses what the one decoder of models/gpt.py cannot
-compute (another activation, an o_proj bias, partial rotary, a mix of windowed and full layers
-outside the Gemma families, dense layers between MoE layers, bidirectional attention).
+rope_parameters, Gemma 3's and OLMo 3's per layer type; linear, llama3, yarn, dynamic) and refuses what
+the one decoder of models/gpt.py cannot compute (another activation, an o_proj bias, partial rotary, a
+mix of windowed and full layers outside the layer_types families, dense layers between MoE layers
+outside DeepSeek's and Llama 4's, bidirectional attention).
 `hf_config` writes the config.json transformers loads: the imported one updated, or a fresh one for
 the family that holds the model config.
 """
@@ -36,7 +37,7 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     if hf.get("attention_bias") and not family.qkv_bias:
         raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
-    theta, rope_scaling, local_theta = rope(hf, where)
+    theta, rope_scaling, local_theta = rope(hf, where, family)
     head_dim = hf.get("head_dim") or d // h
     window, pattern = sliding_window(hf, family, where)
     fields = dict(sliding_window=window, layer_pattern=pattern,
@@ -48,7 +49,47 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         **{k: family.trait(k) for k in TRAIT_DEFAULTS}, **extras(hf, family, local_theta, where))
     if family.mla:
         fields.update(mla_fields(hf, where))
-    return ModelConfig(**{**fields, **moe_fields(hf, family, where)})
+    fields.update(moe_fields(hf, family, where))
+    if family.llama4:
+        fields.update(llama4_fields(hf, fields["moe"], where))
+    return ModelConfig(**fields)
+
+
+def llama4_fields(hf: dict, moe: MoeConfig, where: str) -> dict:
+    """Llama 4's fields: rotary layers attend in chunks (local), the NoPE ones (every
+    no_rope_layer_interval-th) to everything with a temperature (global); dense layers (not in
+    moe_layers) of intermediate_size_mlp among the MoE ones, whose shared expert has the experts' size."""
+    n = hf["num_hidden_layers"]
+    interval = hf.get("no_rope_layer_interval", 4)
+    rotary = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    step = hf.get("interleave_moe_layer_step", 1)
+    moe_layers = hf.get("moe_layers")
+    moe_layers = list(range(step - 1, n, step)) if moe_layers is None else moe_layers
+    chunk = hf.get("attention_chunk_size", 8192)
+    types = ["chunked_attention" if r and chunk is not None else "full_attention" for r in rotary]
+    if (hf.get("layer_types") or types) != types or chunk is None or len(rotary) != n:
+        raise ConfigError(f"{where}: layer_types {hf.get('layer_types')} / attention_chunk_size {chunk} / "
+                          f"no_rope_layers {rotary}: only chunked rotary layers and full NoPE layers are supported")
+    kinds = ["local" if r else "global" for r in rotary]
+    g = next(g for g in range(1, n + 1) if all(kinds[i] == kinds[i % g] for i in range(n)))
+    tuning = hf.get("attn_temperature_tuning", True)
+    return dict(layer_pattern=tuple(kinds[:g]), attention_chunk=int(chunk), global_nope="global" in kinds,
+                attn_temperature=float(hf.get("attn_scale", 0.1)) if tuning else None,
+                attn_temperature_floor=int(hf.get("floor_scale", 8192)), qk_l2_norm=bool(hf.get("use_qk_norm", True)),
+                moe=dataclasses.replace(moe, dense_layers=tuple(i for i in range(n) if i not in moe_layers),
+                                        dense_d_ff=hf.get("intermediate_size_mlp", 16384)))
+
+
+def llama4_keys(m: ModelConfig) -> dict:
+    """The Llama 4 keys of config.json (llama4_fields' inverse)."""
+    kinds = [m.layer_pattern[i % len(m.layer_pattern)] if m.layer_pattern else "local" for i in range(m.n_layers)]
+    return {"no_rope_layers": [int(k == "local" or not m.global_nope) for k in kinds],
+            "layer_types": ["chunked_attention" if k == "local" else "full_attention" for k in kinds],
+            "attention_chunk_size": m.attention_chunk, "attn_temperature_tuning": m.attn_temperature is not None,
+            "attn_scale": m.attn_temperature or 0.1, "floor_scale": m.attn_temperature_floor,
+            "use_qk_norm": m.qk_l2_norm,
+            "moe_layers": [i for i in range(m.n_layers) if i not in m.moe.dense_layers],
+            "intermediate_size_mlp": m.moe.dense_d_ff or m.d_ff}
 
 
 def mla_fields(hf: dict, where: str) -> dict:
@@ -77,10 +118,11 @@ def extras(hf: dict, family: Family, local_theta: float | None, where: str) -> d
     return out
 
 
-def rope(hf: dict, where: str) -> tuple[float, RopeScalingConfig | None, float | None]:
+def rope(hf: dict, where: str, family: Family) -> tuple[float, RopeScalingConfig | None, float | None]:
     """(rope_theta, rope scaling or None, the local layers' rope_theta or None) of an HF config.json.
-    Gemma 3 rotates its local (sliding_attention) layers by a base of their own, without scaling:
-    rope_parameters per layer type (transformers 5) or rope_local_base_freq."""
+    Gemma 3 and OLMo 3 rotate their local (sliding_attention) layers by a base of their own, without
+    scaling: rope_parameters per layer type (transformers 5), or the family's key (Gemma 3's
+    rope_local_base_freq) or default (Family.local_theta)."""
     params = hf.get("rope_parameters") or {}
     local = None
     if "full_attention" in params:  # per layer type
@@ -90,16 +132,35 @@ def rope(hf: dict, where: str) -> tuple[float, RopeScalingConfig | None, float |
                               "not supported; supported: default")
         local = local_params.get("rope_theta")
     if local is None:
-        local = hf.get("rope_local_base_freq", 10000.0)
+        local = hf.get(family.local_theta_key, family.local_theta)
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise ConfigError(f"{where}: rope type {kind!r} is not supported; supported: default, linear, llama3")
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if kind == "default":
         return float(theta), None, float(local)
+    return float(theta), rope_scaling(scaling, kind, hf, where), float(local)
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+"""The rope types we read (transformers' rope_type; `dynamic` only within its max_position_embeddings)."""
+
+
+def rope_scaling(scaling: dict, kind: str, hf: dict, where: str) -> RopeScalingConfig:
+    """Our rope_scaling for config.json's rope_scaling / rope_parameters of type `kind`, with the
+    defaults transformers' rope init functions take for the keys it lacks."""
     fields = {f.name for f in dataclasses.fields(RopeScalingConfig)} - {"type"}
-    return float(theta), RopeScalingConfig(type=kind, **{k: v for k, v in scaling.items() if k in fields}), float(local)
+    given = {k: v for k, v in scaling.items() if k in fields and v is not None}
+    if kind == "dynamic":  # transformers rescales past max_position_embeddings
+        given["original_max_position_embeddings"] = hf.get("max_position_embeddings", 2048)
+    if kind == "yarn":
+        if "original_max_position_embeddings" not in given:
+            raise ConfigError(f"{where}: rope type 'yarn' needs original_max_position_embeddings")
+        if "factor" not in given:  # DeepSeek's convention: the context's growth
+            given["factor"] = hf["max_position_embeddings"] / given["original_max_position_embeddings"]
+        given.update({k: given.get(k) or v for k, v in (("beta_fast", 32.0), ("beta_slow", 1.0))})
+    return RopeScalingConfig(type=kind, **given)
 
 
 def moe_fields(hf: dict, family: Family, where: str) -> dict:
@@ -198,6 +259,8 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
                tie_word_embeddings=m.tie_embeddings, rope_theta=m.rope_theta, rope_parameters=rope, dtype=dtype)
     if family.moe is not None:
         out.update(moe_keys(m, family.moe, out, base))
+    if family.llama4:
+        out.update(llama4_keys(m))
     if family.mla:
         a = m.mla
         out.update(q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
@@ -219,21 +282,34 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
         out["rope_scaling"] = rope
     else:
         out.pop("rope_scaling", None)
+    if base is not None and same_rope(base, m):  # the rope keys as the imported config.json wrote them
+        for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+            out.pop(key, None)
+            out.update({key: base[key]} if key in base else {})
     return out
 
 
+def same_rope(hf: dict, m: ModelConfig) -> bool:
+    """Whether config.json `hf` rotates as our model config does."""
+    theta, scaling, local = rope(hf, "config.json", family_of(hf, "config.json"))
+    return (theta, scaling) == (m.rope_theta, m.rope_scaling) and m.rope_local_theta in (None, local)
+
+
 def gemma_keys(m: ModelConfig, family: Family, rope: dict) -> dict:
-    """The keys of a Gemma config.json: layer kinds, window, attention scale, soft caps and (Gemma 3)
-    rope_parameters per layer type."""
+    """The keys of a config.json with layer_types (Gemma, OLMo 3): layer kinds, window, (Gemma) attention
+    scale and soft caps, and (Gemma 3, OLMo 3) rope_parameters per layer type."""
     kinds = m.layer_pattern or (("local",) if m.sliding_window else ("global",))
     names = {kind: name for name, kind in LAYER_KINDS.items()}
-    out = {"layer_types": [names[kinds[i % len(kinds)]] for i in range(m.n_layers)], "sliding_window": m.sliding_window,
-           "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_size,
-           "attn_logit_softcapping": m.attn_softcap, "final_logit_softcapping": m.final_softcap}
+    out = {"layer_types": [names[kinds[i % len(kinds)]] for i in range(m.n_layers)], "sliding_window": m.sliding_window}
+    if "query_pre_attn_scalar" in family.extras:
+        out.update(query_pre_attn_scalar=m.query_pre_attn_scalar or m.head_size,
+                   attn_logit_softcapping=m.attn_softcap, final_logit_softcapping=m.final_softcap)
     if "rope_local_theta" in family.extras:
         local = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
-        out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
-            "rope_type": "default", "rope_theta": local}}, rope_local_base_freq=local)
+        sliding = {"rope_type": "default", "rope_theta": local}
+        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": sliding}
+        if family.local_theta_key:
+            out[family.local_theta_key] = local
     return out
 
 
@@ -242,11 +318,12 @@ def rope_parameters(m: ModelConfig) -> dict:
     s = m.rope_scaling
     if s is None:
         return {"rope_type": "default", "rope_theta": m.rope_theta}
-    if s.type == "linear":
-        return {"rope_type": "linear", "factor": s.factor, "rope_theta": m.rope_theta}
-    rope = {**dataclasses.asdict(s), "rope_type": s.type, "rope_theta": m.rope_theta}
-    rope.pop("type")
-    return rope
+    keys = {"linear": ["factor"], "dynamic": ["factor"],
+            "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+            "yarn": ["factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                     "attention_factor", "mscale", "mscale_all_dim"]}[s.type]
+    return {"rope_type": s.type, "rope_theta": m.rope_theta,
+            **{k: getattr(s, k) for k in keys if getattr(s, k) is not None}}
 
 
 def moe_keys(m: ModelConfig, moe: Moe, out: dict, base: dict | None) -> dict:

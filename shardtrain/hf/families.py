@@ -5,7 +5,8 @@ All of them are configs of the one decoder in models/gpt.py. A family differs fr
 - its attention: q/k/v biases (Qwen2), RMSNorm on each query and key head (Qwen3);
 - the model fields it fixes (`traits`: OLMo 2's norms after the sublayers, Gemma's GeGLU, ...) and
   the optional ones its config.json can hold (`extras`: Gemma's soft caps, ...);
-- how config.json decides the sliding window (`window`: Gemma's `layer_types` mix local and global layers);
+- how config.json decides the sliding window (`window`: Gemma's and OLMo 3's `layer_types` mix local and
+  global layers; the local ones' rotary base: `local_theta_key`, `local_theta`);
 - for a mixture of experts: which config.json key holds each of our MoE fields, the defaults when
   a key is absent, and the names of its MoE MLP's tensors;
 - DeepSeek-V3's latent attention (`mla`).
@@ -45,6 +46,8 @@ class Moe:
     """Shared experts: none; `gated`: one gated shared expert of shared_expert_intermediate_size
     (Qwen2-MoE, also `shared_expert`); `plain`: n_shared_experts of the experts' size, one MLP
     under `mlp`shared_experts (DeepSeek)."""
+    derived: tuple[str, ...] = ()
+    """Our MoE fields the family's own mapping reads and writes (Llama 4's dense_layers, dense_d_ff)."""
     sparse_step: bool = False
     """config.json can leave dense layers between MoE layers (decoder_sparse_step, mlp_only_layers);
     we read only configs where every layer is MoE (Qwen-MoE)."""
@@ -74,6 +77,15 @@ class Family:
     """Multi-head latent attention (DeepSeek): our model.mla from config.json's q_lora_rank, ...."""
     act_key: str = "hidden_act"
     """The config.json key of the MLP's activation."""
+    llama4: bool = False
+    """Llama 4's chunked rotary layers and NoPE global ones, qk L2 norm, interleaved dense / MoE layers
+    (hf/config.py llama4_fields), its feed_forward tensors with fused experts (hf/layout.py)."""
+    local_theta_key: str | None = "rope_local_base_freq"
+    """With rope_local_theta in extras: config.json's key of the local layers' rotary base besides
+    rope_parameters per layer type (Gemma 3's; OLMo 3 has none)."""
+    local_theta: float = 10000.0
+    """... and that base when config.json gives neither (OLMo 3: transformers' default_theta, whatever
+    rope_theta says)."""
 
     def trait(self, name: str):
         """The value the family fixes for ModelConfig field `name` (one of TRAITS)."""
@@ -85,6 +97,8 @@ TRAIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
 """The ModelConfig fields a family fixes (Family.traits), with their defaults."""
 EXTRAS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta")
 """Optional ModelConfig fields only some families hold (Family.extras)."""
+LLAMA4 = ("attention_chunk", "global_nope", "attn_temperature", "qk_l2_norm")
+"""ModelConfig fields only Llama 4 holds (Family.llama4)."""
 GEMMA = dict(traits={"norm_position": "pre_post", "norm_scale": "one_plus_weight", "activation": "gelu_tanh",
                      "scale_embeddings": True}, window="layer_types", act_key="hidden_activation")
 
@@ -102,6 +116,8 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
     Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window="use_sliding_window"),
     Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window="use_sliding_window"),
     Family("Olmo2ForCausalLM", "olmo2", qk_norm=True, traits={"norm_position": "post", "qk_norm_scope": "projection"}),
+    Family("Olmo3ForCausalLM", "olmo3", qk_norm=True, traits={"norm_position": "post", "qk_norm_scope": "projection"},
+           window="layer_types", pattern=4, extras=("rope_local_theta",), local_theta_key=None, local_theta=500000.0),
     Family("Gemma2ForCausalLM", "gemma2", **GEMMA, pattern=2,
            extras=("query_pre_attn_scalar", "attn_softcap", "final_softcap")),
     Family("Gemma3ForCausalLM", "gemma3", **GEMMA, pattern=6, qk_norm=True, extras=EXTRAS),
@@ -123,8 +139,15 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
         defaults={"norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_groups": 8,
                   "topk_groups": 4, "first_dense_layers": 3},
         mlp="mlp.", experts=QWEN_EXPERTS, fixed={"router": "sigmoid"}, shared="plain")),
+    Family("Llama4ForCausalLM", "llama4_text", llama4=True, moe=Moe(
+        keys={"n_experts": ("num_local_experts",), "experts_per_token": ("num_experts_per_tok",),
+              "router_aux_loss_coef": ("router_aux_loss_coef",)},
+        defaults={"experts_per_token": 1, "router_aux_loss_coef": 0.001}, mlp="feed_forward.",
+        experts=("gate_up_proj", "gate_up_proj", "down_proj"), fixed={"router": "sigmoid_input", "n_shared_experts": 1},
+        shared="plain", derived=("dense_layers", "dense_d_ff"))),
 ]}
-ROUTING = ("router", "n_groups", "topk_groups", "routed_scaling_factor", "first_dense_layers", "dense_d_ff")
+ROUTING = ("router", "n_groups", "topk_groups", "routed_scaling_factor", "first_dense_layers", "dense_d_ff",
+           "dense_layers")
 """MoE fields that change the math which only families naming them (keys, fixed) hold."""
 
 
@@ -132,6 +155,10 @@ def family_of(hf: dict, where: str) -> Family:
     """The family of an HF config.json (ConfigError naming the architecture if unsupported)."""
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
+    if arch == "Llama4ForConditionalGeneration":
+        raise ConfigError(f"{where}: Llama4ForConditionalGeneration (Llama 4 with its vision tower) is not supported; "
+                          "import its text model (Llama4ForCausalLM: text_config as config.json, the "
+                          "language_model.model.* tensors as model.*)")
     if arch not in FAMILIES:
         raise ConfigError(f"{where}: architecture {arch or hf.get('model_type')!r} is not supported; "
                           f"supported: {', '.join(FAMILIES)}")
@@ -151,14 +178,16 @@ def misfits(f: Family, m: ModelConfig) -> list[str]:
     out += [f"sliding_window={m.sliding_window}"] if m.sliding_window and f.window == "never" else []
     out += [f"{k}={getattr(m, k)!r}" for k in TRAIT_DEFAULTS if getattr(m, k) != f.trait(k)]
     out += [f"{k}={getattr(m, k)}" for k in EXTRAS if getattr(m, k) is not None and k not in f.extras]
-    out += [f"layer_pattern={list(m.layer_pattern)}"] if m.layer_pattern and f.window != "layer_types" else []
+    out += [f"layer_pattern={list(m.layer_pattern)}"] if m.layer_pattern and f.window != "layer_types" \
+        and not f.llama4 else []
     out += [f"mla={m.mla}"] if (m.mla is not None) != f.mla else []
+    out += [f"{k}={getattr(m, k)}" for k in LLAMA4 if getattr(m, k) not in (None, False) and not f.llama4]
     e = m.moe
     if (e.n_experts > 1) != (f.moe is not None):
         return [*out, f"n_experts={e.n_experts}"]
     if f.moe is not None:
         out += [f"{k}={field_of(m, k)}" for k, v in f.moe.fixed.items() if field_of(m, k) != v]
-        out += [f"{k}={getattr(e, k)}" for k in ROUTING if k not in f.moe.keys and k not in f.moe.fixed
+        out += [f"{k}={getattr(e, k)}" for k in ROUTING if k not in (*f.moe.keys, *f.moe.fixed, *f.moe.derived)
                 and getattr(e, k) != getattr(MoeConfig(), k)]
         plain = not e.shared_expert_gate and e.shared_expert_d_ff in (None, e.n_shared_experts * m.d_ff)
         shared_ok = (e.n_shared_experts == 0 or (e.n_shared_experts == 1 and e.shared_expert_gate)

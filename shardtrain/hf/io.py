@@ -125,19 +125,20 @@ class HfDir:
         entries = self.entries if m is None or m == self.model else self.checked(m, "the model config")
         out: dict = {}
         for entry in entries:
-            a = tree_get(abstract, entry.ours)
-            tree_set(out, entry.ours, jax.make_array_from_callback(
-                a.shape, a.sharding, self._filler(entry, a.shape, a.dtype)))
+            for part, path in enumerate(entry.paths):
+                a = tree_get(abstract, path)
+                tree_set(out, path, jax.make_array_from_callback(
+                    a.shape, a.sharding, self._filler(entry, a.shape, a.dtype, part)))
         return out
 
-    def _filler(self, entry: Entry, shape, dtype):
+    def _filler(self, entry: Entry, shape, dtype, part: int = 0):
         last: dict = {}
 
-        def ours(i=None, j=None):  # one HF tensor in our layout, cached until the next one is asked for
+        def ours(i=None, j=None):  # one HF tensor in our layout (its `part`), cached until the next one is asked for
             if (i, j) not in last:
                 last.clear()
-                last[i, j] = entry.to_ours(self.reader.get(entry.hf.format(i=None if i is None else entry.first + i,
-                                                                           j=j)))
+                whole = entry.to_ours(self.reader.get(entry.hf.format(i=None if i is None else entry.first + i, j=j)))
+                last[i, j] = np.split(whole, len(entry.paths), axis=-1)[part]
             return last[i, j]
 
         def fill(index):
@@ -170,14 +171,15 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
     np_dtype = np.dtype(safetensors_io.DTYPES[EXPORT_DTYPES[dtype]])
     specs, fetch = [], {}
     for entry in tensor_map(m):
-        array = tree_get(params, entry.ours)
+        arrays = [tree_get(params, path) for path in entry.paths]
         for name, index in indexed_names(entry, m):
             specs.append((name, entry.hf_shape, np_dtype))
-            fetch[name] = (entry, array, index)
+            fetch[name] = (entry, arrays, index)
 
     def produce(name):
-        entry, array, index = fetch[name]
-        return entry.to_hf(host_array(array[index] if index else array).astype(np.float32)).astype(np_dtype)
+        entry, arrays, index = fetch[name]
+        ours = np.concatenate([host_array(a[index] if index else a).astype(np.float32) for a in arrays], axis=-1)
+        return entry.to_hf(ours).astype(np_dtype)
 
     shards = split_shards(specs, max_shard_bytes)
     files = [out / ("model.safetensors" if len(shards) == 1 else f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors")

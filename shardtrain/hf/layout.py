@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardtrain.config import ModelConfig
-from shardtrain.hf.families import family_for
+from shardtrain.hf.families import LLAMA4, family_for
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,13 @@ class Entry:
     """Layered entries of a stage (models.layers.Stages): our layer i is HF layer first + i ..."""
     count: int | None = None
     """... for `count` layers (None: all the model's)."""
+    joined: tuple[tuple[str, ...], ...] = ()
+    """More of our parameters the HF tensor holds after `ours`, equal parts of to_ours' last axis
+    (Llama 4's experts.gate_up_proj: w_gate_edf then w_up_edf)."""
+
+    @property
+    def paths(self) -> tuple[tuple[str, ...], ...]:
+        return (self.ours, *self.joined)
 
     @property
     def layered(self) -> bool:
@@ -82,15 +89,17 @@ NORMS = {"pre": [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_
 
 
 def tensor_map(m: ModelConfig) -> list[Entry]:
-    k = m.moe.first_dense_layers if m.moe.n_experts > 1 else 0
-    if not k:
+    runs = m.mlp_runs
+    if len(runs) == 1:
         return model_map(m)
-    # DeepSeek: blocks/dense holds HF layers 0..k-1, blocks/sparse the others (models.layers.Stages)
+    # DeepSeek: blocks/dense holds HF layers 0..k-1, blocks/sparse the others; Llama 4: each run of dense or
+    # MoE layers its stack (models.layers.Stages)
     dense = dataclasses.replace(m, d_ff=m.moe.dense_d_ff or m.d_ff, moe=dataclasses.replace(m.moe, n_experts=0))
-    out = [dataclasses.replace(e, ours=("blocks", "dense", *e.ours[1:]), count=k)
-           for e in model_map(dense) if e.layered]
-    return out + [dataclasses.replace(e, ours=("blocks", "sparse", *e.ours[1:]), first=k, count=m.n_layers - k)
-                  if e.layered else e for e in model_map(m)]
+    maps = {True: model_map(dense), False: model_map(m)}
+    out = [e for e in maps[False] if not e.layered]
+    return out + [dataclasses.replace(e, ours=("blocks", name, *e.ours[1:]), first=first, count=count,
+                                      joined=tuple(("blocks", name, *j[1:]) for j in e.joined))
+                  for name, first, count, is_dense in runs for e in maps[is_dense] if e.layered]
 
 
 def rope_perm(p: int) -> np.ndarray:
@@ -99,25 +108,27 @@ def rope_perm(p: int) -> np.ndarray:
 
 
 def mla_entries(m: ModelConfig) -> list[Entry]:
-    """Multi-head latent attention's tensors (DeepSeek; the rotary channels de-interleaved)."""
+    """Multi-head latent attention's tensors (DeepSeek; the rotary channels de-interleaved). Each tensor's
+    permutation follows its role (the queries' and the shared key's rotary rows; none for kv_b_proj's keys
+    and values), never its sizes: v_head_dim may equal qk_rope_head_dim."""
     a, d, h = m.mla, m.d_model, m.n_heads
     n, p, c, v = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
     perm, attn = rope_perm(p), "model.layers.{i}.self_attn."
     q_perm = np.concatenate([np.arange(n), n + perm])
     kv_perm = np.concatenate([np.arange(c), c + perm])
 
-    def heads(rows, x):  # (H*X, rows) <-> (rows, H, X), the query's rotary channels permuted
-        idx = q_perm if x == n + p else np.arange(x)
+    def heads(rows, x, idx=None):  # (H*X, rows) <-> (rows, H, X), each head's channels in order `idx`
+        idx = np.arange(x) if idx is None else idx
         inv = np.argsort(idx)
         return (lambda t: t.T.reshape(rows, h, x)[..., idx]), (lambda t: t[..., inv].reshape(rows, h * x).T)
     out = []
     if a.q_lora_rank is None:
-        out.append(Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * (n + p), d), *heads(d, n + p)))
+        out.append(Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * (n + p), d), *heads(d, n + p, q_perm)))
     else:
         r = a.q_lora_rank
         out += [Entry(("blocks", "wq_a_dr"), attn + "q_a_proj.weight", (r, d), tr, tr),
                 Entry(("blocks", "q_a_norm"), attn + "q_a_layernorm.weight", (r,), same, same),
-                Entry(("blocks", "wq_b_rhe"), attn + "q_b_proj.weight", (h * (n + p), r), *heads(r, n + p))]
+                Entry(("blocks", "wq_b_rhe"), attn + "q_b_proj.weight", (h * (n + p), r), *heads(r, n + p, q_perm))]
     inv = np.argsort(kv_perm)
     return out + [
         Entry(("blocks", "wkv_a_dc"), attn + "kv_a_proj_with_mqa.weight", (c + p, d),
@@ -128,16 +139,24 @@ def mla_entries(m: ModelConfig) -> list[Entry]:
               lambda t: t.T.reshape(h, v, d), lambda t: t.reshape(h * v, d).T)]
 
 
+def is_llama4(m: ModelConfig) -> bool:
+    return any(getattr(m, k) not in (None, False) for k in LLAMA4)
+
+
 def model_map(m: ModelConfig) -> list[Entry]:
     d, h, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
     e = m.head_size
+    llama4 = is_llama4(m)
+    order = rope_perm(e) if llama4 else None  # Llama 4 rotates interleaved pairs, as DeepSeek does
 
-    def proj(n):  # HF (n*E, D) <-> ours (D, n, E)
-        return (lambda a: a.T.reshape(d, n, e)), (lambda a: a.reshape(d, n * e).T)
+    def proj(n, idx=None):  # HF (n*E, D) <-> ours (D, n, E), each head's rows in `idx` order (default HF's)
+        idx, back = (np.arange(e), np.arange(e)) if idx is None else (idx, np.argsort(idx))
+        return (lambda a: a.T.reshape(d, n, e)[..., idx]), (lambda a: a[..., back].reshape(d, n * e).T)
 
     def bias(n):
         return (lambda a: a.reshape(n, e)), (lambda a: a.reshape(n * e))
-    layer, attn, mlp = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    layer, attn = "model.layers.{i}.", "model.layers.{i}.self_attn."
+    mlp = "model.layers.{i}." + ("feed_forward." if llama4 else "mlp.")
     entries = [Entry(("embedding_vd",), "model.embed_tokens.weight", (v, d), same, same)]
     entries += [Entry(("blocks", ours), layer + hf + ".weight", (d,), same, same)
                 for ours, hf in NORMS[m.norm_position]]
@@ -145,8 +164,8 @@ def model_map(m: ModelConfig) -> list[Entry]:
         entries += mla_entries(m)
     else:
         entries += [
-            Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * e, d), *proj(h)),
-            Entry(("blocks", "wk_dke"), attn + "k_proj.weight", (k * e, d), *proj(k)),
+            Entry(("blocks", "wq_dhe"), attn + "q_proj.weight", (h * e, d), *proj(h, order)),
+            Entry(("blocks", "wk_dke"), attn + "k_proj.weight", (k * e, d), *proj(k, order)),
             Entry(("blocks", "wv_dke"), attn + "v_proj.weight", (k * e, d), *proj(k)),
             Entry(("blocks", "wo_hed"), attn + "o_proj.weight", (d, h * e),
                   lambda a: a.T.reshape(h, e, d), lambda a: a.reshape(h * e, d).T)]
@@ -161,7 +180,7 @@ def model_map(m: ModelConfig) -> list[Entry]:
         entries += [Entry(("blocks", "q_norm_he"), attn + "q_norm.weight", (h * e,), *bias(h)),
                     Entry(("blocks", "k_norm_ke"), attn + "k_norm.weight", (k * e,), *bias(k))]
     if m.moe.n_experts > 1:
-        entries += moe_entries(m)
+        entries += llama4_moe_entries(m) if llama4 else moe_entries(m)
     else:
         entries += [Entry(("blocks", "w_gate_df"), mlp + "gate_proj.weight", (f, d), tr, tr),
                     Entry(("blocks", "w_up_df"), mlp + "up_proj.weight", (f, d), tr, tr),
@@ -192,6 +211,20 @@ def moe_entries(m: ModelConfig) -> list[Entry]:
     if m.moe.shared_expert_gate:
         entries.append(Entry((*ours, "shared_expert_gate_d1"), mlp + "shared_expert_gate.weight", (1, d), tr, tr))
     return entries
+
+
+def llama4_moe_entries(m: ModelConfig) -> list[Entry]:
+    """Llama 4's MoE tensors: the router (E, D), the experts fused per layer (gate_up_proj (E, D, 2F):
+    gates then ups; down_proj (E, F, D), both in our layout already) and the shared expert."""
+    d, f, n = m.d_model, m.d_ff, m.moe.n_experts
+    ours, ff = ("blocks", "moe"), "model.layers.{i}.feed_forward."
+    return [Entry((*ours, "router_de"), ff + "router.weight", (n, d), tr, tr),
+            Entry((*ours, "w_gate_edf"), ff + "experts.gate_up_proj", (n, d, 2 * f), same, same,
+                  joined=((*ours, "w_up_edf"),)),
+            Entry((*ours, "w_down_efd"), ff + "experts.down_proj", (n, f, d), same, same),
+            *[Entry((*ours, f"shared_{name}"), ff + f"shared_expert.{hf}.weight", shape, tr, tr)
+              for name, hf, shape in (("w_gate_df", "gate_proj", (f, d)), ("w_up_df", "up_proj", (f, d)),
+                                      ("w_down_fd", "down_proj", (d, f)))]]
 
 
 def indexed_names(entry: Entry, m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

@@ -81,8 +81,12 @@ def test_published_config_files_map_to_our_fields():
     assert qwen_windowed.sliding_window == 131072 and model_config(hf_config(qwen_windowed)) == qwen_windowed
     with pytest.raises(ConfigError, match="20 of 28 layers use sliding_window=131072 and the others full"):
         model_config({**qwen25_7b, "use_sliding_window": True, "max_window_layers": 8})
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
-        model_config({**qwen25_7b, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    qwen_long = model_config({**qwen25_7b, "rope_scaling": {  # Qwen2.5's long-context setting
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
+    assert (qwen_long.rope_scaling.type, qwen_long.rope_scaling.factor) == ("yarn", 4.0)
+    assert model_config(hf_config(qwen_long)) == qwen_long
+    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
+        model_config({**qwen25_7b, "rope_scaling": {"type": "longrope", "factor": 4.0}})
 
 
 def test_each_moe_family_comes_back_as_its_own_config_json():
@@ -125,6 +129,64 @@ def test_olmo2_config_file_maps_to_our_fields_and_back():
                   base=OLMO2_7B)
     with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
         model_config({**OLMO2_7B, "hidden_act": "gelu"})
+
+
+OLMO3_7B = {"architectures": ["Olmo3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0, "sliding_window": 4096, "vocab_size": 100278, "hidden_act": "silu",
+            "max_position_embeddings": 65536, "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 8,
+            "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32, "beta_slow": 1,
+                             "attention_factor": 1.20794415416798, "original_max_position_embeddings": 8192}}
+"""OLMo-3-7B-Think's config.json (the fields that matter)."""
+
+
+def test_olmo3_config_file_maps_to_our_fields_and_back():
+    """OLMo 2's norms with layer_types (three local layers, one global) and yarn on the global layers only;
+    without per-layer-type rope_parameters transformers gives the local layers its default base 5e5,
+    whatever rope_theta says."""
+    m = model_config(OLMO3_7B)
+    assert (m.name, m.norm_position, m.qk_norm_scope, m.layer_pattern, m.sliding_window) == (
+        "olmo3", "post", "projection", ("local", "local", "local", "global"), 4096)
+    assert (m.rope_scaling.type, m.rope_scaling.attention_factor, m.rope_local_theta) == ("yarn", 1.20794415416798, 5e5)
+    fresh = hf_config(m)  # no imported config.json: rope_parameters per layer type, no Gemma keys
+    assert fresh["architectures"] == ["Olmo3ForCausalLM"] and "query_pre_attn_scalar" not in fresh
+    assert fresh["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 500000.0}
+    assert model_config(fresh) == m
+    assert model_config({**OLMO3_7B, "rope_theta": 1e4}).rope_local_theta == 5e5
+    with pytest.raises(ConfigError, match="layer_types .* not supported"):
+        model_config({**OLMO3_7B, "num_hidden_layers": 8})
+
+
+LLAMA4_SCOUT = {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_size": 5120,
+                "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_attention_heads": 40,
+                "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 48, "num_local_experts": 16,
+                "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "attention_chunk_size": 8192,
+                "use_qk_norm": True, "no_rope_layers": [], "attn_temperature_tuning": True, "floor_scale": 8192,
+                "attn_scale": 0.1, "rope_theta": 500000.0, "vocab_size": 202048, "rms_norm_eps": 1e-5,
+                "hidden_act": "silu", "tie_word_embeddings": False, "rope_scaling": {
+                    "rope_type": "llama3", "factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                    "original_max_position_embeddings": 8192}}
+"""Llama-4-Scout-17B-16E's text_config (the fields that matter)."""
+
+
+def test_llama4_config_file_maps_to_our_fields_and_back():
+    """Scout: every 4th layer NoPE (global, with the temperature), the others rotary in chunks of 8192
+    with the qk L2 norm; every layer MoE (16 experts, top 1, sigmoid-scaled inputs, a shared expert);
+    Maverick's interleaving (interleave_moe_layer_step 2) leaves every other layer dense. The vision
+    model is refused in one line."""
+    m = model_config(LLAMA4_SCOUT)
+    assert (m.name, m.layer_pattern, m.attention_chunk, m.global_nope, m.attn_temperature, m.qk_l2_norm) == (
+        "llama4_text", ("local",) * 3 + ("global",), 8192, True, 0.1, True)
+    assert (m.moe.n_experts, m.moe.experts_per_token, m.moe.router, m.moe.n_shared_experts, m.moe.dense_layers,
+            m.d_ff) == (16, 1, "sigmoid_input", 1, (), 8192)
+    assert model_config(hf_config(m)) == m and hf_config(m)["architectures"] == ["Llama4ForCausalLM"]
+    maverick = model_config({**LLAMA4_SCOUT, "interleave_moe_layer_step": 2, "num_local_experts": 128})
+    assert maverick.moe.dense_layers == tuple(range(0, 48, 2)) and maverick.moe.dense_d_ff == 16384
+    assert len(maverick.mlp_runs) == 48 and model_config(hf_config(maverick)) == maverick
+    with pytest.raises(ConfigError, match="Llama4ForConditionalGeneration .Llama 4 with its vision tower. is not "):
+        model_config({**LLAMA4_SCOUT, "architectures": ["Llama4ForConditionalGeneration"]})
+    with pytest.raises(ConfigError, match="only chunked rotary layers and full NoPE layers are supported"):
+        model_config({**LLAMA4_SCOUT, "attention_chunk_size": None})
 
 
 def test_gemma_config_files_map_to_our_fields_and_back():
@@ -188,7 +250,7 @@ def test_deepseek_v3_config_file_maps_to_our_fields_and_back():
     assert model_config(hf_config(m)) == m
     v2_lite = {**DEEPSEEK_V3, "q_lora_rank": None}  # V2-Lite's full query projection
     assert model_config(v2_lite).mla.q_lora_rank is None
-    for bad, message in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "rope type 'yarn' is not supported"),
+    for bad, message in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "'yarn' needs original_max_position_emb"),
                          ({"rope_interleave": False}, "rope_interleave=false is not supported"),
                          ({"num_key_value_heads": 8}, "num_key_value_heads=8 is not supported"),
                          ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),

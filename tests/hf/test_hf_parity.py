@@ -36,7 +36,8 @@ def test_logits_equal_transformers_on_2x2x2_mesh_and_one_device(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "olmo2", "gemma2", "gemma3",
-                                    "deepseek_v3", "deepseek_v3_full_q"])
+                                    "olmo3", "llama4", "deepseek_v3", "deepseek_v3_full_q", "deepseek_v3_v_eq_rope",
+                                    "deepseek_v3_yarn"])  # the other MLA fixtures: parity above
 def test_greedy_generation_equals_transformers(family):
     ref, _ = reference(family)
     gen = generate.Generator.from_source(FIXTURES / family)
@@ -95,3 +96,19 @@ def test_generate_command_json_and_streaming(capsys):
     got = json.loads(json_out)
     assert got["prompt_ids"] == ref["prompt_ids"] and got["generated_ids"] == ref["new_ids"]
     assert text_out == ref["prompt"] + got["text"] + "\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl, mesh", [("splash", []), ("chunked", ["mesh.data=2", "mesh.context=4"])],
+                         ids=["splash", "ring_chunked"])
+def test_llama4_chunked_attention_under_splash_and_ring(impl, mesh):
+    """Llama 4's chunks (segment ids per chunk, models/attention.py chunk_segments) and NoPE layers over
+    128 tokens: splash (interpreted) and ring attention with the sequence over 4 devices equal the
+    xla path on one device within 1.5e-5 of the logits' scale."""
+    source = weights.find(FIXTURES / "llama4")
+    tokens = np.random.default_rng(0).integers(1, source.model.vocab_size, (4, 128)).astype(np.int32)
+    model = dataclasses.replace(source.model, attention="xla")
+    want = our_logits(source, tokens, [], devices=jax.devices()[:1], model=model)
+    got = our_logits(source, tokens, mesh, devices=None if mesh else jax.devices()[:1],
+                     model=dataclasses.replace(model, attention=impl))
+    assert np.abs(got - want).max() < 1.5e-5 * np.abs(want).max()

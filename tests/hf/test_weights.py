@@ -57,7 +57,7 @@ def test_moe_import_then_export_round_trips_bit_exactly(tmp_path):
     round_trip(FIXTURES / "qwen2_moe", tmp_path)  # per-expert tensors, a gated shared expert, qkv bias
 
 
-@pytest.mark.parametrize("family", [*NEW_FAMILIES, "deepseek_v3", "deepseek_v3_full_q"])
+@pytest.mark.parametrize("family", [*NEW_FAMILIES, "deepseek_v3", "deepseek_v3_full_q", "deepseek_v3_yarn", "llama4"])
 def test_new_families_import_then_export_round_trip_bit_exactly(tmp_path, family):
     """Every tensor (OLMo 2's post-norms and whole-projection qk-norm weights, Gemma's four norms a
     layer and tied embeddings, DeepSeek-V3's latent attention with its interleaved rotary channels,
