@@ -29,7 +29,7 @@ def members(cls) -> set[str]:
 @pytest.mark.parametrize("protocol, trainers, unsharded, expected", [
     (contract.Constraint, sharding.Constrain, contract.NoConstraint, {"__call__", "platform", "size", "shard_map"}),
     (contract.Collectives, sharding.Shard, contract.Whole,
-     {"size", "index", "psum", "all_gather", "all_to_all", "ragged_all_to_all", "ring_shift"}),
+     {"size", "index", "psum", "pmax", "all_gather", "all_to_all", "ragged_all_to_all", "ring_shift"}),
 ])
 def test_both_implementations_offer_exactly_the_interface(protocol, trainers, unsharded, expected):
     assert members(protocol) == expected
