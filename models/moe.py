@@ -55,6 +55,15 @@ W_IN = ("experts", "expert_embed", "mlp")
 W_OUT = ("experts", "mlp", "expert_embed")
 
 
+def gated(gate, up, moe_cfg):
+    """The experts' gated activation: silu(gate) * up, or gpt-oss's clamped SwiGLU (moe.swiglu_limit)."""
+    limit = moe_cfg.swiglu_limit
+    if limit is None:
+        return jax.nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(moe_cfg.swiglu_alpha * gate)
+
+
 def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True, quantization="none"):
     def mm(x, w):
         return dense(x, w, flat=flat, quantization=quantization)
@@ -165,10 +174,11 @@ def exclusive_cumsum(x):
     return jnp.cumsum(x) - x
 
 
-def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, *, cfg,
-                  quantization="none"):
+def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, b_gate_ef=None,
+                  b_up_ef=None, *, cfg, quantization="none"):
     """One device's tokens through their experts (see the module docstring), the grouped matmuls
-    quantized by `quantization`; returns out_btd."""
+    quantized by `quantization`, plus the experts' gate and up biases (E, F) where given (the down
+    projection's bias is the caller's: it would be summed over `mlp` here); returns out_btd."""
     b, t, d = x_btd.shape
     k = top_i_btk.shape[-1]
     w_gate_edf = shard.all_gather(w_gate_edf, "expert_embed", axis=1)
@@ -205,7 +215,11 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
     x_rd = gather_rows(recv_rd, order_r)
     q = quantization
     gate_rf, up_rf = grouped(x_rd, w_gate_edf, group_l, q), grouped(x_rd, w_up_edf, group_l, q)
-    y_rd = grouped(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l, q)
+    if b_gate_ef is not None:  # each sorted row's local expert (el: padding, a zero bias)
+        expert_r = jnp.sort(local_r)
+        gate_rf = gate_rf + b_gate_ef.at[expert_r].get(mode="fill", fill_value=0).astype(gate_rf.dtype)
+        up_rf = up_rf + b_up_ef.at[expert_r].get(mode="fill", fill_value=0).astype(up_rf.dtype)
+    y_rd = grouped(gated(gate_rf, up_rf, cfg.moe), w_down_efd, group_l, q)
     y_rd = jnp.where((jnp.arange(rows) < group_l.sum())[:, None], y_rd, 0)
     y_ad = shard.ragged_all_to_all(scatter_rows(y_rd, order_r, rows), jnp.zeros((a, d), y_rd.dtype), recv_at_p,
                                    recv_p, shard.all_to_all(send_at_p, "experts"), send_p, "experts")
@@ -223,6 +237,12 @@ class Moe(nnx.Module):
         self.router_de = param(rngs, normal(d ** -0.5), (d, e), ("embed", None))
         if cfg.moe.router == "sigmoid":  # load-balancing state: no gradient, no optimizer update
             self.router_bias_e = param(rngs, nnx.initializers.zeros, (e,), (None,))
+        if cfg.moe.router_logit_bias:  # a learned bias on the logits (gpt-oss)
+            self.router_b_e = param(rngs, nnx.initializers.zeros, (e,), (None,))
+        if cfg.moe.expert_bias:
+            self.b_gate_ef = param(rngs, nnx.initializers.zeros, (e, f), ("experts", "mlp"))
+            self.b_up_ef = param(rngs, nnx.initializers.zeros, (e, f), ("experts", "mlp"))
+            self.b_down_ed = param(rngs, nnx.initializers.zeros, (e, d), (None, None))
         self.w_gate_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_up_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_down_efd = param(rngs, normal(f ** -0.5 / 2), (e, f, d), W_OUT)
@@ -238,6 +258,8 @@ class Moe(nnx.Module):
         c, cfg = self.constrain, self.cfg
         flat = flat_matmuls(c)
         logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32), flat=flat)
+        if hasattr(self, "router_b_e"):
+            logits_bte = logits_bte + self.router_b_e[...].astype(jnp.float32)
         if cfg.moe.router == "sigmoid":
             top_i_btk, weight_btk, probs_bte = route_sigmoid(logits_bte, self.router_bias_e[...], cfg, c)
             aux = {"router_load": jax.lax.stop_gradient(expert_load(top_i_btk, cfg.moe.n_experts))}
@@ -246,9 +268,16 @@ class Moe(nnx.Module):
                                                      cfg.moe.norm_topk_prob)
             aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
+        biases = (self.b_gate_ef[...], self.b_up_ef[...]) if cfg.moe.expert_bias else ()
         local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg, quantization=self.quantization),
-                            (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))
-        out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
+                            (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT, *[("experts", "mlp")] * len(biases)),
+                            ("batch", "seq", None))
+        out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...],
+                        *biases)
+        if cfg.moe.expert_bias:  # each chosen expert's down bias, weighted as its output
+            b_btkd = self.b_down_ed[...][top_i_btk].astype(jnp.float32)
+            bias_btd = jnp.einsum("btkd,btk->btd", b_btkd, weight_btk.astype(jnp.float32))
+            out_btd = out_btd + bias_btd.astype(out_btd.dtype)
         if cfg.moe.n_shared_experts:
             shared = (self.shared_w_gate_df[...], self.shared_w_up_df[...], self.shared_w_down_fd[...])
             shared_btd = swiglu(h_btd, *shared, flat, self.quantization)

@@ -3,7 +3,7 @@
 `model_config` reads either rope form (top-level rope_theta / rope_scaling, or transformers 5's
 rope_parameters, Gemma 3's per layer type) and refuses what the one decoder of models/gpt.py cannot
 compute (another activation, an o_proj bias, partial rotary, a mix of windowed and full layers
-outside the Gemma families, dense layers between MoE layers, bidirectional attention).
+outside the Gemma and gpt-oss families, dense layers between MoE layers, bidirectional attention).
 `hf_config` writes the config.json transformers loads: the imported one updated, or a fresh one for
 the family that holds the model config.
 """
@@ -31,8 +31,9 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r})")
     if hf.get("quantization_config"):  # DeepSeek-V3's own checkpoint: fp8 blocks with scales beside them
         method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
-        raise ConfigError(f"{where}: quantization_config (quant_method {method!r}) is not supported; "
-                          "dequantize the weights to bfloat16 first")
+        if not (method == "mxfp4" and family.moe is not None and family.moe.fused):  # gpt-oss's: hf/mxfp4.py
+            raise ConfigError(f"{where}: quantization_config (quant_method {method!r}) is not supported; "
+                              "dequantize the weights to bfloat16 first")
     if hf.get("attention_bias") and not family.qkv_bias:
         raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
@@ -204,6 +205,7 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
                    qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim, rope_interleave=True,
                    head_dim=a.qk_rope_head_dim, qk_head_dim=a.qk_nope_head_dim + a.qk_rope_head_dim)
     out.pop("torch_dtype", None)
+    out.pop("quantization_config", None)  # gpt-oss's MXFP4 experts were dequantized on import
     windowed = m.sliding_window is not None
     if family.window == "always":
         out["sliding_window"] = m.sliding_window
@@ -224,12 +226,13 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
 
 def gemma_keys(m: ModelConfig, family: Family, rope: dict) -> dict:
     """The keys of a Gemma config.json: layer kinds, window, attention scale, soft caps and (Gemma 3)
-    rope_parameters per layer type."""
+    rope_parameters per layer type; gpt-oss's layer kinds and window."""
     kinds = m.layer_pattern or (("local",) if m.sliding_window else ("global",))
     names = {kind: name for name, kind in LAYER_KINDS.items()}
-    out = {"layer_types": [names[kinds[i % len(kinds)]] for i in range(m.n_layers)], "sliding_window": m.sliding_window,
-           "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_size,
-           "attn_logit_softcapping": m.attn_softcap, "final_logit_softcapping": m.final_softcap}
+    out = {"layer_types": [names[kinds[i % len(kinds)]] for i in range(m.n_layers)], "sliding_window": m.sliding_window}
+    if "query_pre_attn_scalar" in family.extras:  # Gemma's (not gpt-oss's, whose layers are as Gemma 2's)
+        out.update(query_pre_attn_scalar=m.query_pre_attn_scalar or m.head_size,
+                   attn_logit_softcapping=m.attn_softcap, final_logit_softcapping=m.final_softcap)
     if "rope_local_theta" in family.extras:
         local = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
         out.update(rope_parameters={"full_attention": rope, "sliding_attention": {

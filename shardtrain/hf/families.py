@@ -8,7 +8,9 @@ All of them are configs of the one decoder in models/gpt.py. A family differs fr
 - how config.json decides the sliding window (`window`: Gemma's `layer_types` mix local and global layers);
 - for a mixture of experts: which config.json key holds each of our MoE fields, the defaults when
   a key is absent, and the names of its MoE MLP's tensors;
-- DeepSeek-V3's latent attention (`mla`).
+- DeepSeek-V3's latent attention (`mla`);
+- gpt-oss's attention sinks and output bias (traits), its experts' biases, clamped SwiGLU and fused
+  expert tensors (`Moe.fused`).
 
 `family_for(model)` picks the family that holds our model config exactly: a config that no family
 holds (say qk_norm and qkv_bias together) is a ConfigError rather than an export that drops a
@@ -48,6 +50,9 @@ class Moe:
     sparse_step: bool = False
     """config.json can leave dense layers between MoE layers (decoder_sparse_step, mlp_only_layers);
     we read only configs where every layer is MoE (Qwen-MoE)."""
+    fused: bool = False
+    """The experts as stacked tensors under `mlp`experts.: gate_up_proj (E, D, 2F), gate and up
+    columns interleaved, down_proj (E, F, D), with biases, and a router with a bias (gpt-oss)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,8 @@ class Family:
 
 
 TRAIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
-                  if f.name in ("norm_position", "norm_scale", "activation", "scale_embeddings", "qk_norm_scope")}
+                  if f.name in ("norm_position", "norm_scale", "activation", "scale_embeddings", "qk_norm_scope",
+                              "attn_sinks", "attn_out_bias")}
 """The ModelConfig fields a family fixes (Family.traits), with their defaults."""
 EXTRAS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta")
 """Optional ModelConfig fields only some families hold (Family.extras)."""
@@ -123,8 +129,17 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
         defaults={"norm_topk_prob": True, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_groups": 8,
                   "topk_groups": 4, "first_dense_layers": 3},
         mlp="mlp.", experts=QWEN_EXPERTS, fixed={"router": "sigmoid"}, shared="plain")),
+    Family("GptOssForCausalLM", "gpt_oss", qkv_bias=True, window="layer_types", pattern=2,
+           traits={"attn_sinks": True, "attn_out_bias": True}, moe=Moe(
+               keys={"n_experts": ("num_local_experts",), "experts_per_token": ("num_experts_per_tok",),
+                     "router_aux_loss_coef": ("router_aux_loss_coef",), "swiglu_limit": ("swiglu_limit",),
+                     "swiglu_alpha": ("swiglu_alpha",)},
+               defaults={"router_aux_loss_coef": 0.001, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}, mlp="mlp.",
+               experts=("gate_up_proj", "gate_up_proj", "down_proj"), fused=True,
+               fixed={"norm_topk_prob": True, "router_logit_bias": True, "expert_bias": True})),
 ]}
-ROUTING = ("router", "n_groups", "topk_groups", "routed_scaling_factor", "first_dense_layers", "dense_d_ff")
+ROUTING = ("router", "n_groups", "topk_groups", "routed_scaling_factor", "first_dense_layers", "dense_d_ff",
+           "router_logit_bias", "expert_bias", "swiglu_limit", "swiglu_alpha")
 """MoE fields that change the math which only families naming them (keys, fixed) hold."""
 
 

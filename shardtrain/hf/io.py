@@ -170,14 +170,16 @@ def export(params: dict, m: ModelConfig, out_dir: str | Path, *, base: dict | No
     np_dtype = np.dtype(safetensors_io.DTYPES[EXPORT_DTYPES[dtype]])
     specs, fetch = [], {}
     for entry in tensor_map(m):
-        array = tree_get(params, entry.ours)
+        if entry.read_only:
+            continue
+        arrays = [tree_get(params, path) for path in (entry.ours, *entry.also)]
         for name, index in indexed_names(entry, m):
             specs.append((name, entry.hf_shape, np_dtype))
-            fetch[name] = (entry, array, index)
+            fetch[name] = (entry, arrays, index)
 
     def produce(name):
-        entry, array, index = fetch[name]
-        return entry.to_hf(host_array(array[index] if index else array).astype(np.float32)).astype(np_dtype)
+        entry, arrays, index = fetch[name]
+        return entry.to_hf(*(host_array(a[index] if index else a).astype(np.float32) for a in arrays)).astype(np_dtype)
 
     shards = split_shards(specs, max_shard_bytes)
     files = [out / ("model.safetensors" if len(shards) == 1 else f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors")

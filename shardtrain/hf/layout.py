@@ -26,6 +26,11 @@ Layouts (ours <- HF, per layer i; our block parameters are stacked on a leading 
   wkv_b_che (C, H, N+A) <- kv_b_proj (H*(N+A), C);  wo_hed (H, A, D) <- o_proj (D, H*A);
   blocks/moe/router_bias_e (E,) <- mlp.gate.e_score_correction_bias; shared experts under mlp.shared_experts.
   With moe.first_dense_layers = k: blocks/dense holds HF layers 0..k-1, blocks/sparse the others.
+  gpt-oss (families.Moe.fused; under model.layers.{i}.): blocks/bo_d <- self_attn.o_proj.bias;
+  blocks/sinks_h (H,) <- self_attn.sinks;  blocks/moe/router_de, router_b_e <- mlp.router.weight (E, D), bias;
+  blocks/moe/w_gate_edf, w_up_edf (E, D, F) <- mlp.experts.gate_up_proj (E, D, 2F), columns 0::2 and 1::2;
+  b_gate_ef, b_up_ef (E, F) <- gate_up_proj_bias (E, 2F) likewise;  w_down_efd (E, F, D), b_down_ed (E, D) <-
+  down_proj, down_proj_bias (MXFP4 blocks and scales dequantized by hf/mxfp4.py).
 The rotary layout needs no permutation: models/gpt.py rotates halves exactly as HF does, except
 DeepSeek's interleaved pairs, de-interleaved in the rotary rows of q_b_proj and kv_a_proj (`rope_perm`).
 """
@@ -56,6 +61,10 @@ class Entry:
     """Layered entries of a stage (models.layers.Stages): our layer i is HF layer first + i ..."""
     count: int | None = None
     """... for `count` layers (None: all the model's)."""
+    also: tuple[tuple[str, ...], ...] = ()
+    """Our other parameters the HF tensor holds: export passes them to `to_hf` after this one."""
+    read_only: bool = False
+    """Import only: another entry (whose `also` names this one's parameter) writes the HF tensor."""
 
     @property
     def layered(self) -> bool:
@@ -154,6 +163,10 @@ def model_map(m: ModelConfig) -> list[Entry]:
         entries += [Entry(("blocks", "bq_he"), attn + "q_proj.bias", (h * e,), *bias(h)),
                     Entry(("blocks", "bk_ke"), attn + "k_proj.bias", (k * e,), *bias(k)),
                     Entry(("blocks", "bv_ke"), attn + "v_proj.bias", (k * e,), *bias(k))]
+    if m.attn_out_bias:
+        entries.append(Entry(("blocks", "bo_d"), attn + "o_proj.bias", (d,), same, same))
+    if m.attn_sinks:
+        entries.append(Entry(("blocks", "sinks_h"), attn + "sinks", (h,), same, same))
     if m.qk_norm and m.qk_norm_scope == "head":
         entries += [Entry(("blocks", "q_norm"), attn + "q_norm.weight", (e,), same, same),
                     Entry(("blocks", "k_norm"), attn + "k_norm.weight", (e,), same, same)]
@@ -172,9 +185,32 @@ def model_map(m: ModelConfig) -> list[Entry]:
     return entries
 
 
+def interleave(a, b):
+    """Columns a0, b0, a1, b1, ... of two arrays of one shape (gpt-oss's gate_up_proj)."""
+    return np.stack([a, b], -1).reshape(*a.shape[:-1], 2 * a.shape[-1])
+
+
+def fused_moe_entries(m: ModelConfig) -> list[Entry]:
+    """gpt-oss's experts: stacked (E, ...) tensors with biases, gate and up interleaved in one."""
+    d, f, n = m.d_model, m.d_ff, m.moe.n_experts
+    mlp, ours = "model.layers.{i}.mlp.", ("blocks", "moe")
+
+    def halves(name, hf, shape, up):  # our gate half (writes both) or up half (read only) of a fused tensor
+        return [Entry((*ours, name), mlp + hf, shape, lambda t: t[..., 0::2], interleave, also=((*ours, up),)),
+                Entry((*ours, up), mlp + hf, shape, lambda t: t[..., 1::2], same, read_only=True)]
+    return [Entry((*ours, "router_de"), mlp + "router.weight", (n, d), tr, tr),
+            Entry((*ours, "router_b_e"), mlp + "router.bias", (n,), same, same),
+            *halves("w_gate_edf", "experts.gate_up_proj", (n, d, 2 * f), "w_up_edf"),
+            *halves("b_gate_ef", "experts.gate_up_proj_bias", (n, 2 * f), "b_up_ef"),
+            Entry((*ours, "w_down_efd"), mlp + "experts.down_proj", (n, f, d), same, same),
+            Entry((*ours, "b_down_ed"), mlp + "experts.down_proj_bias", (n, d), same, same)]
+
+
 def moe_entries(m: ModelConfig) -> list[Entry]:
     d, f, n = m.d_model, m.d_ff, m.moe.n_experts
     moe = family_for(m).moe
+    if moe.fused:
+        return fused_moe_entries(m)
     mlp, (gate, up, down) = "model.layers.{i}." + moe.mlp, moe.experts
     ours = ("blocks", "moe")
     entries = [Entry((*ours, "router_de"), mlp + "gate.weight", (n, d), tr, tr),
