@@ -46,3 +46,23 @@ def test_gpt_oss_import_then_export_round_trips_bit_exactly(tmp_path):
     assert model_config(exported) == HfDir(GPT_OSS).model
     original = json.loads((GPT_OSS / "config.json").read_text())
     assert {k: exported.get(k) for k in original} == original
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized_on_import_as_transformers_does(tmp_path):
+    """gpt_oss_mxfp4: the same model with its experts in MXFP4 blocks and scales (quantization_config
+    mxfp4, as published): our logits equal the ones transformers computes with its own dequantization
+    (which moves them by up to 9.6 from the unquantized model's); export-hf writes the dequantized
+    experts in bfloat16 and no quantization_config, and they read back as the same model."""
+    src = FIXTURES / "gpt_oss_mxfp4"
+    want = np.load(src / "reference_logits.npy")
+    tokens = np.array(json.loads((src / "reference.json").read_text())["tokens"], np.int32)
+    source = weights.find(src)
+    got = our_logits(source, tokens, [], devices=jax.devices()[:1])
+    assert np.abs(got - want).max() < 5e-4
+    weights.import_hf(str(src), str(tmp_path / "imp"), say=lambda _: None)
+    weights.export_hf(str(tmp_path / "imp"), str(tmp_path / "exp"), say=lambda _: None)
+    exported = HfDir(tmp_path / "exp")
+    assert "quantization_config" not in exported.hf and exported.model == source.model
+    assert str(exported.reader.dtype("model.layers.0.mlp.experts.gate_up_proj")) == "bfloat16"
+    again = our_logits(weights.find(tmp_path / "exp"), tokens, [], devices=jax.devices()[:1])
+    np.testing.assert_array_equal(again, got)
