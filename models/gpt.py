@@ -7,7 +7,9 @@ OLMo 2 norms the sublayers' outputs instead of their inputs (norm_position=post)
 keys over the whole projection (qk_norm_scope=projection). Gemma 2/3 norm both (pre_post) with
 1 + w (norm_scale), GeGLU (activation=gelu_tanh), scaled embeddings, their own attention scale and
 soft caps, and local (windowed) layers among global ones (layer_pattern: the scan runs over groups
-of layers, models/__init__.py `scan_layers`), Gemma 3 with its own rotary base for the local ones. The rotary
+of layers, models/__init__.py `scan_layers`), Gemma 3 with its own rotary base for the local ones.
+gpt-oss: learned attention sinks (attn_sinks, models/attention.py), q/k/v and output biases, sliding and
+full layers alternating (layer_pattern), MoE experts with biases and a clamped SwiGLU. The rotary
 layout is Hugging Face's: the head dimension is split into halves [x1, x2], rotated as
 [x1 cos - x2 sin, x2 cos + x1 sin] with frequencies theta^(-2i/E), so HF weights load unpermuted.
 

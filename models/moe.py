@@ -10,7 +10,11 @@ float32; the k largest are the token's experts; their probabilities, renormalise
 (`norm_topk_prob`, Mixtral and Qwen3-MoE) or not (Qwen2-MoE's default), weight the experts'
 outputs. Shared experts (`n_shared_experts`, one SwiGLU MLP of `shared_expert_d_ff` hidden units)
 see every token; with `shared_expert_gate` (Qwen2-MoE) their output is scaled by
-sigmoid(h . w_gate). Auxiliary losses, returned to the trainer as `aux` (already multiplied by their coefficients):
+sigmoid(h . w_gate). gpt-oss adds a learned bias to the router logits (`router_logit_bias`; its
+top-k of the logits then softmax over the k is this softmax renormalised over the k), biases to each
+expert's projections (`expert_bias`; the down projection's is added outside the per-shard code,
+weighted like its expert's output) and its clamped SwiGLU (`swiglu_limit`, `gated`).
+Auxiliary losses, returned to the trainer as `aux` (already multiplied by their coefficients):
   moe_aux_loss  = coef x E x sum_e f_e P_e  (Switch / Mixtral load balancing: f_e the fraction of
                   tokens with e among their k, P_e the mean router probability of e; k at balance)
   router_z_loss = coef x mean(logsumexp(logits)^2)  (ST-MoE)

@@ -115,7 +115,8 @@ class MlaConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
-    Mistral, Qwen2/2.5/3, OLMo 2 and Gemma 2/3 are configs of the one decoder `gpt` (alias `llama`)."""
+    Mistral, Qwen2/2.5/3, OLMo 2, Gemma 2/3, DeepSeek-V3 and gpt-oss are configs of the one decoder
+    `gpt` (alias `llama`)."""
 
     name: str = "gpt"
     vocab_size: int = 256

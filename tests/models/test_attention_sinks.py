@@ -111,6 +111,8 @@ def test_cudnn_takes_no_sinks_and_auto_on_a_gpu_runs_chunked():
     q, k, v = qkv(7, t=T)
     with pytest.raises(ValueError, match="cudnn attention has no soft cap .* or sinks"):
         attention.attend(q, k, v, impl="cudnn", sinks_h=SINKS)
+    with pytest.raises(config.ConfigError, match="model.attention=cudnn has no attention sinks"):
+        config.load(None, ["model.attn_sinks=true", "model.attention=cudnn"])
     gpu = type("OnGpu", (), {"platform": "gpu", "size": staticmethod(lambda axis: 1)})()
     got = attention.attend(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), impl="auto",
                            constrain=gpu, sinks_h=SINKS)
