@@ -37,6 +37,8 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     if hf.get("attention_bias") and not family.qkv_bias:
         raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
+    if not (hf.get("rope_parameters") or hf.get("rope_scaling")) and family.rope:  # transformers' default
+        hf = {**hf, "rope_parameters": {"rope_theta": hf.get("rope_theta", 10000.0), **family.rope}}
     theta, rope_scaling, local_theta = rope(hf, where)
     head_dim = hf.get("head_dim") or d // h
     window, pattern = sliding_window(hf, family, where)
@@ -209,7 +211,8 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
     windowed = m.sliding_window is not None
     if family.window == "always":
         out["sliding_window"] = m.sliding_window
-    elif windowed or out.get("use_sliding_window"):  # Qwen: windowed on every layer, or on none
+    elif family.window == "use_sliding_window" and (windowed or out.get("use_sliding_window")):
+        # Qwen: windowed on every layer, or on none
         out.update(use_sliding_window=windowed, max_window_layers=0 if windowed else m.n_layers)
         if windowed:
             out["sliding_window"] = m.sliding_window

@@ -79,6 +79,9 @@ class Family:
     """Multi-head latent attention (DeepSeek): our model.mla from config.json's q_lora_rank, ...."""
     act_key: str = "hidden_act"
     """The config.json key of the MLP's activation."""
+    rope: dict = field(default_factory=dict)
+    """The rope scaling transformers assumes when config.json has no rope_parameters / rope_scaling
+    (gpt-oss: yarn); {}: none."""
 
     def trait(self, name: str):
         """The value the family fixes for ModelConfig field `name` (one of TRAITS)."""
@@ -130,7 +133,9 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
                   "topk_groups": 4, "first_dense_layers": 3},
         mlp="mlp.", experts=QWEN_EXPERTS, fixed={"router": "sigmoid"}, shared="plain")),
     Family("GptOssForCausalLM", "gpt_oss", qkv_bias=True, window="layer_types", pattern=2,
-           traits={"attn_sinks": True, "attn_out_bias": True}, moe=Moe(
+           traits={"attn_sinks": True, "attn_out_bias": True}, rope={
+               "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+               "original_max_position_embeddings": 4096}, moe=Moe(
                keys={"n_experts": ("num_local_experts",), "experts_per_token": ("num_experts_per_tok",),
                      "router_aux_loss_coef": ("router_aux_loss_coef",), "swiglu_limit": ("swiglu_limit",),
                      "swiglu_alpha": ("swiglu_alpha",)},

@@ -9,10 +9,12 @@ import json
 
 import jax
 import numpy as np
+import pytest
 from hf_reference import FIXTURES, our_logits, reference
 from test_weights import round_trip
 
 from shardtrain import generate, weights
+from shardtrain.config import ConfigError
 from shardtrain.hf.config import model_config
 from shardtrain.hf.io import HfDir
 
@@ -46,6 +48,17 @@ def test_gpt_oss_import_then_export_round_trips_bit_exactly(tmp_path):
     assert model_config(exported) == HfDir(GPT_OSS).model
     original = json.loads((GPT_OSS / "config.json").read_text())
     assert {k: exported.get(k) for k in original} == original
+    assert "use_sliding_window" not in exported  # the layer kinds say it (Qwen's keys are not gpt-oss's)
+
+
+def test_gpt_oss_without_rope_keys_reads_transformers_default_yarn():
+    """config.json with no rope_parameters / rope_scaling (or rope_scaling null): transformers rotates
+    by yarn (factor 32 over 4096 positions), never by plain rope; until the rope code reads yarn, a
+    one-line refusal naming it."""
+    hf = json.loads((GPT_OSS / "config.json").read_text())
+    hf.pop("rope_parameters")
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+        model_config({**hf, "rope_theta": 150000.0, "rope_scaling": None})
 
 
 def test_gpt_oss_mxfp4_experts_are_dequantized_on_import_as_transformers_does(tmp_path):
