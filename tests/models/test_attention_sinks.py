@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_attention import E, H, K, packed_segments, qkv
+from test_attention import H, packed_segments, qkv, reference as attention_reference
 
 from models import attention
 from models.gpt import cached_attention
@@ -24,19 +24,7 @@ SINKS = jnp.asarray([1.5, -0.5, 3.0, 0.2])  # one per query head: large enough t
 
 def reference(q, k, v, sinks, seg=None, window=None):
     """softmax([scores, sink]) without the sink's column, over a causal (+ window, same-document) mask."""
-    rep = H // K
-    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    s = jnp.einsum("bqhe,bkhe->bhqk", q, k) * E ** -0.5
-    t = q.shape[1]
-    mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
-    if window is not None:
-        mask = mask & ~jnp.tril(jnp.ones((t, t), bool), -window)[None, None]
-    if seg is not None:
-        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
-    s = jnp.where(mask, s, -jnp.inf)
-    sink = jnp.broadcast_to(sinks[None, :, None, None], (*s.shape[:3], 1))
-    p = jax.nn.softmax(jnp.concatenate([s, sink], -1), axis=-1)[..., :-1]
-    return jnp.einsum("bhqk,bkhe->bqhe", p, v)
+    return attention_reference(q, k, v, seg, window, sinks=sinks)
 
 
 def out_and_grads(fn, q, k, v, sinks):
