@@ -21,7 +21,8 @@ import importlib
 
 MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp",
           **{family: "models.gpt:Gpt" for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                                                     "qwen3_moe", "olmo2", "gemma2", "gemma3", "deepseek_v3")},
+                                                     "qwen3_moe", "olmo2", "gemma2", "gemma3", "deepseek_v3",
+                                                     "gpt_oss")},
           "olmo3": "models.gpt:Gpt", "llama4_text": "models.gpt:Gpt"}
 """model.name -> class. The Hugging Face families are names of the one decoder `gpt` (import-hf writes the
 family it read, so the run says what it trains); their differences are config fields."""

@@ -1,7 +1,7 @@
 """Causal grouped-query attention by implementation: one function the decoder calls.
 
     o_bthe = attend(q_bthe, k_btke, v_btke, segment_ids_bt=None, positions_bt=None, impl="auto",
-                    constrain=None, window=None, scale=None, softcap=None)
+                    constrain=None, window=None, scale=None, softcap=None, sinks_h=None)
 
 Shapes: B batch, T sequence, H query heads, K key/value heads (K divides H, G = H / K queries per
 key head), E head dim. q is not pre-scaled: every implementation scales scores by `scale`
@@ -10,11 +10,13 @@ key head), E head dim. q is not pre-scaled: every implementation scales scores b
 document; None means one document per row. `window` W (sliding-window attention, Mistral's
 `sliding_window`) lets query t see keys t - W + 1 .. t only; None: every earlier key.
 `attention_chunk` C (Llama 4) lets it see only the earlier keys of its aligned chunk of C positions,
-as segment ids (`chunk_segments`), under every implementation.
+as segment ids (`chunk_segments`), under every implementation. `sinks_h` (H,)
+(gpt-oss's attention sinks) adds exp(sink_h) to every softmax denominator of head h, as a key of
+that logit with a zero value would: the online softmax below starts from it, splash's kernel takes it.
 
 - `xla`: `jax.nn.dot_product_attention`, which materialises the B x H x T x T scores. The reference;
-  fastest on CPU at short T. A window is its `local_window_size` (W - 1, 0). With a soft cap (which
-  it lacks) the same whole scores by `fold_block` below.
+  fastest on CPU at short T. A window is its `local_window_size` (W - 1, 0). With a soft cap or
+  sinks (which it lacks) the same whole scores by `fold_block` below.
 - `chunked`: flash-style in plain XLA: a scan over query chunks, inside it a scan over key chunks
   with an online softmax; never holds more than one chunk x chunk block of scores per head;
   recomputed in the backward pass. Any platform, long T without a kernel. With a window, each
@@ -24,8 +26,8 @@ as segment ids (`chunk_segments`), under every implementation.
   per key head with its G query heads (MQA form, no repeat of k/v), in a `shard_map` over the batch
   and kv-head axes. TPU (tests run it with `interpret=True` on CPU).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (flash attention; a window is
-  cuDNN's sliding_window_length W). NVIDIA GPU. No soft cap: asking for one is an error.
-- `auto`: splash on TPU, cudnn on GPU (chunked for float32 or a soft cap), xla on CPU.
+  cuDNN's sliding_window_length W). NVIDIA GPU. No soft cap and no sinks: asking for one is an error.
+- `auto`: splash on TPU, cudnn on GPU (chunked for float32, a soft cap or sinks), xla on CPU.
 - ring (context parallelism): when the trainer splits the sequence over devices
   (`constrain.size("seq") > 1`), every implementation runs as ring attention (below); `xla`
   computes each ring step's block whole, the others in chunks like `chunked`.
@@ -65,7 +67,7 @@ def resolve(impl: str, platform: str | None = None) -> str:
 
 def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, impl: str = "auto",
            constrain=None, window: int | None = None, scale: float | None = None, softcap: float | None = None,
-           attention_chunk: int | None = None):
+           attention_chunk: int | None = None, sinks_h=None):
     """Causal attention of q over k, v (see the module docstring); returns o_bthe in q's dtype.
     `positions_bt` matter only to ring attention, whose masks come from them (the trainer feeds a
     context-parallel sequence out of order); None: 0..T-1.
@@ -74,19 +76,23 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
     `constrain.platform` (the mesh's devices: `tpu` when compiling for a TPU topology on a CPU
     host) or else the default backend; splash off TPU runs interpreted (CPU tests)."""
     platform = getattr(constrain, "platform", None) or jax.default_backend()
-    if impl == "auto" and resolve(impl, platform) == "cudnn" and (q_bthe.dtype not in CUDNN_DTYPES or softcap):
-        impl = "chunked"  # cuDNN's fused attention takes half-precision inputs only, and has no soft cap
+    if impl == "auto" and resolve(impl, platform) == "cudnn" and (q_bthe.dtype not in CUDNN_DTYPES or softcap
+                                                                  or sinks_h is not None):
+        impl = "chunked"  # cuDNN's fused attention takes half-precision inputs only, and has no soft cap or sinks
     impl = resolve(impl, platform)
-    if impl == "cudnn" and softcap is not None:
-        raise ValueError("cudnn attention has no soft cap (model.attn_softcap); use chunked")
+    if impl == "cudnn" and (softcap is not None or sinks_h is not None):
+        raise ValueError("cudnn attention has no soft cap (model.attn_softcap) or sinks (model.attn_sinks); "
+                         "use chunked")
     scale = q_bthe.shape[-1] ** -0.5 if scale is None else scale
     if attention_chunk is not None:
         segment_ids_bt = chunk_segments(segment_ids_bt, positions_bt, q_bthe.shape[:2], attention_chunk)
     if constrain is not None and constrain.size("seq") > 1:
         return ring(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, constrain=constrain,
-                    chunk=None if impl == "xla" else CHUNK, window=window, scale=scale, softcap=softcap)
-    if impl == "xla" and softcap is not None:
-        return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, chunk=None, window=window, scale=scale, softcap=softcap)
+                    chunk=None if impl == "xla" else CHUNK, window=window, scale=scale, softcap=softcap,
+                    sinks_h=sinks_h)
+    if impl == "xla" and (softcap is not None or sinks_h is not None):
+        return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, chunk=None, window=window, scale=scale, softcap=softcap,
+                       sinks_h=sinks_h)
     if impl == "xla" or impl == "cudnn":
         mask = None
         if segment_ids_bt is not None:
@@ -94,9 +100,10 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
         return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True, implementation=impl,
                                             scale=scale, local_window_size=None if window is None else (window - 1, 0))
     if impl == "chunked":
-        return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, window=window, scale=scale, softcap=softcap)
+        return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, window=window, scale=scale, softcap=softcap,
+                       sinks_h=sinks_h)
     return splash(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, interpret=platform != "tpu",
-                  window=window, scale=scale, softcap=softcap)
+                  window=window, scale=scale, softcap=softcap, sinks_h=sinks_h)
 
 
 def chunk_segments(segment_ids_bt, positions_bt, bt, chunk: int):
@@ -114,10 +121,16 @@ def chunk_segments(segment_ids_bt, positions_bt, bt, chunk: int):
 # into each query chunk; ring attention folds each device's block as it passes.
 
 
-def empty_carry(b, t, k_heads, g, e):
-    """(m, l, acc) before any key: m (B, K, G, T) -inf, l (B, K, G, T) 0, acc (B, T, K, G, E) 0."""
-    return (jnp.full((b, k_heads, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, k_heads, g, t), jnp.float32),
-            jnp.zeros((b, t, k_heads, g, e), jnp.float32))
+def empty_carry(b, t, k_heads, g, e, sinks_h=None):
+    """(m, l, acc) before any key: m (B, K, G, T) -inf, l (B, K, G, T) 0, acc (B, T, K, G, E) 0. With
+    attention sinks (H,) the carry starts as if it had folded a key of logit sink and value 0: m the
+    sink, l 1."""
+    if sinks_h is None:
+        m_bkgt, l_bkgt = jnp.full((b, k_heads, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, k_heads, g, t), jnp.float32)
+    else:
+        sink_kg1 = sinks_h.astype(jnp.float32).reshape(k_heads, g, 1)
+        m_bkgt, l_bkgt = jnp.broadcast_to(sink_kg1, (b, k_heads, g, t)), jnp.ones((b, k_heads, g, t), jnp.float32)
+    return m_bkgt, l_bkgt, jnp.zeros((b, t, k_heads, g, e), jnp.float32)
 
 
 def fold(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, carry, window=None, softcap=None):
@@ -204,7 +217,7 @@ def normalised(carry, dtype):
 
 
 def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int | None = CHUNK, window: int | None = None,
-            scale: float | None = None, softcap: float | None = None):
+            scale: float | None = None, softcap: float | None = None, sinks_h=None):
     """Flash attention in plain XLA: online softmax over key chunks, one query chunk at a time
     (chunk None: the whole sequence at once). With a window, query chunk i reads only key chunks
     i - R + 1 .. i (R = the chunks a window reaches; clamped at the first chunk, the extra keys are
@@ -217,8 +230,8 @@ def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int | None = CHU
     c = min(chunk or t, t)
     reach = t if window is None else (-(-(window - 1) // c) + 1) * c  # keys one query chunk reads
     if reach >= t:
-        carry = fold_block(q_btkge, pos_bt, seg_bt, k_btke, v_btke, pos_bt, seg_bt, empty_carry(b, t, k_heads, g, e),
-                           chunk, window, softcap)
+        carry = fold_block(q_btkge, pos_bt, seg_bt, k_btke, v_btke, pos_bt, seg_bt,
+                           empty_carry(b, t, k_heads, g, e, sinks_h), chunk, window, softcap)
         return normalised(carry, q_bthe.dtype)
     if t % c:
         raise ValueError(f"chunked attention: sequence length {t} is not a multiple of the chunk {c}")
@@ -229,7 +242,7 @@ def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int | None = CHU
         first_key = jnp.maximum((i + 1) * c - reach, 0)
         keys = (rows(x, first_key, reach) for x in (k_btke, v_btke, pos_bt, seg_bt))
         return fold_block(rows(q_btkge, i * c, c), rows(pos_bt, i * c, c), rows(seg_bt, i * c, c), *keys,
-                          empty_carry(b, c, k_heads, g, e), c, window, softcap)
+                          empty_carry(b, c, k_heads, g, e, sinks_h), c, window, softcap)
 
     _, l_nbkgc, acc_nbckge = jax.lax.map(query_chunk, jnp.arange(t // c))
     l_bkgt = jnp.moveaxis(l_nbkgc, 0, 3).reshape(b, k_heads, g, t)
@@ -256,25 +269,27 @@ def _splash_kernel(g: int, t: int, interpret: bool, window: int | None = None, s
                                   attn_logits_soft_cap=softcap)
 
 
-def _splash_local(shard, q_btkge, k_btke, v_btke, seg_bt, *, interpret: bool, window: int | None = None,
+def _splash_local(shard, q_btkge, k_btke, v_btke, seg_bt, sinks_kg=None, *, interpret: bool, window: int | None = None,
                   scale: float, softcap: float | None = None):
-    """Splash on one shard: vmap over batch and key heads of the MQA kernel (G query heads)."""
+    """Splash on one shard: vmap over batch and key heads of the MQA kernel (G query heads; the
+    kernel takes their attention sinks, (G,) per key head)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     b, t, k_heads, g, e = q_btkge.shape
     kernel = _splash_kernel(g, t, interpret, window, softcap)
     q_bkgte = (q_btkge * jnp.asarray(scale, q_btkge.dtype)).transpose(0, 2, 3, 1, 4)  # the kernel does not scale
     k_bkte, v_bkte = k_btke.transpose(0, 2, 1, 3), v_btke.transpose(0, 2, 1, 3)
 
-    def one(q_gte, k_te, v_te, seg_t):
-        return kernel(q_gte, k_te, v_te, segment_ids=sk.SegmentIds(q=seg_t, kv=seg_t))
+    def one(q_gte, k_te, v_te, seg_t, sinks_g):
+        return kernel(q_gte, k_te, v_te, segment_ids=sk.SegmentIds(q=seg_t, kv=seg_t), sinks=sinks_g)
 
-    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
-    o_bkgte = jax.vmap(per_head)(q_bkgte, k_bkte, v_bkte, seg_bt)
+    sinks_axis = None if sinks_kg is None else 0
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None, sinks_axis))
+    o_bkgte = jax.vmap(per_head, in_axes=(0, 0, 0, 0, None))(q_bkgte, k_bkte, v_bkte, seg_bt, sinks_kg)
     return o_bkgte.transpose(0, 3, 1, 2, 4)  # (B, T, K, G, E)
 
 
 def splash(q_bthe, k_btke, v_btke, segment_ids_bt=None, *, constrain=None, interpret: bool = False,
-           window: int | None = None, scale: float | None = None, softcap: float | None = None):
+           window: int | None = None, scale: float | None = None, softcap: float | None = None, sinks_h=None):
     b, t, h, e = q_bthe.shape
     k_heads = k_btke.shape[2]
     seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
@@ -282,11 +297,12 @@ def splash(q_bthe, k_btke, v_btke, segment_ids_bt=None, *, constrain=None, inter
     # the sequence stays whole inside (a causal kernel needs every earlier key)
     names_q = ("batch", None, "kv_heads", None, None)
     names_kv = ("batch", None, "kv_heads", None)
+    sinks = () if sinks_h is None else (sinks_h.astype(jnp.float32).reshape(k_heads, h // k_heads),)
     local = (constrain or no_constraint).shard_map(
         functools.partial(_splash_local, interpret=interpret, window=window, softcap=softcap,
                           scale=e ** -0.5 if scale is None else scale),
-        (names_q, names_kv, names_kv, ("batch", None)), names_q)
-    return local(q_btkge, k_btke, v_btke, seg_bt).reshape(b, t, h, e)
+        (names_q, names_kv, names_kv, ("batch", None), *((("kv_heads", None),) if sinks else ())), names_q)
+    return local(q_btkge, k_btke, v_btke, seg_bt, *sinks).reshape(b, t, h, e)
 
 
 # ----------------------------------------------------------------------------- ring (context parallelism)
@@ -313,13 +329,14 @@ def load_balanced_order(t: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def _ring_local(shard, q_bthe, k_btke, v_btke, pos_bt, seg_bt, *, chunk, window=None, scale, softcap=None):
+def _ring_local(shard, q_bthe, k_btke, v_btke, pos_bt, seg_bt, sinks_h=None, *, chunk, window=None, scale,
+                softcap=None):
     """One device's queries against every device's keys/values, passed around the `seq` ring."""
     b, t, h, e = q_bthe.shape
     k_heads = k_btke.shape[2]
     n = shard.size("seq")
     q_bqkge = grouped_queries(q_bthe, k_heads, scale)
-    carry = empty_carry(b, t, k_heads, h // k_heads, e)
+    carry = empty_carry(b, t, k_heads, h // k_heads, e, sinks_h)
 
     def step(state, _):
         kv, carry = state
@@ -334,7 +351,7 @@ def _ring_local(shard, q_bthe, k_btke, v_btke, pos_bt, seg_bt, *, chunk, window=
 
 
 def ring(q_bthe, k_btke, v_btke, positions_bt=None, segment_ids_bt=None, *, constrain, chunk=None, window=None,
-         scale=None, softcap=None):
+         scale=None, softcap=None, sinks_h=None):
     """Causal attention with the sequence split over `seq` (see above); `chunk`: key/query chunk
     of each ring step's block (None: the whole block at once)."""
     bt = q_bthe.shape[:2]
@@ -343,7 +360,9 @@ def ring(q_bthe, k_btke, v_btke, positions_bt=None, segment_ids_bt=None, *, cons
     pos_bt = jnp.broadcast_to(pos_bt, bt).astype(jnp.int32)
     names_q, names_kv = ("batch", "seq", "heads", None), ("batch", "seq", "kv_heads", None)
     scale = q_bthe.shape[-1] ** -0.5 if scale is None else scale
+    names_in = (names_q, names_kv, names_kv, ("batch", "seq"), ("batch", "seq"))
+    sinks = () if sinks_h is None else (sinks_h,)
     local = constrain.shard_map(functools.partial(_ring_local, chunk=chunk, window=window, scale=scale,
                                                   softcap=softcap),
-                                (names_q, names_kv, names_kv, ("batch", "seq"), ("batch", "seq")), names_q)
-    return local(q_bthe, k_btke, v_btke, pos_bt, seg_bt)
+                                (*names_in, *((("heads",),) if sinks else ())), names_q)
+    return local(q_bthe, k_btke, v_btke, pos_bt, seg_bt, *sinks)

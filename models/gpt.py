@@ -9,7 +9,9 @@ keys over the whole projection (qk_norm_scope=projection). Gemma 2/3 norm both (
 soft caps, and local (windowed) layers among global ones (layer_pattern: the scan runs over groups
 of layers, models/__init__.py `scan_layers`), Gemma 3 with its own rotary base for the local ones. Llama 4's
 local layers attend in chunks (attention_chunk) with a weightless qk norm, its global ones without rotary
-and with a temperature (global_nope, attn_temperature); yarn and dynamic rope are models/rope.py's. The rotary
+and with a temperature (global_nope, attn_temperature); yarn and dynamic rope are models/rope.py's.
+gpt-oss: learned attention sinks (attn_sinks, models/attention.py), q/k/v and output biases, sliding and
+full layers alternating (layer_pattern), MoE experts with biases and a clamped SwiGLU. The rotary
 layout is Hugging Face's: the head dimension is split into halves [x1, x2], rotated as
 [x1 cos - x2 sin, x2 cos + x1 sin] with frequencies theta^(-2i/E), so HF weights load unpermuted.
 
@@ -102,17 +104,22 @@ def rotary(x_bthe, theta: float, positions_bt=None, scaling=None):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
 
 
-def cached_attention(q_bthe, k_bske, v_bske, mask_bts, scale=None, cap=None):
+def cached_attention(q_bthe, k_bske, v_bske, mask_bts, scale=None, cap=None, sinks_h=None):
     """Grouped-query attention of T new queries over S cached keys where mask_bts is True
     (query head h reads kv head h // (H/K), as `jax.nn.dot_product_attention` and HF do); scores
-    times `scale` (default E**-0.5), soft-capped by `cap`."""
+    times `scale` (default E**-0.5), soft-capped by `cap`; `sinks_h` (H,) join each head's softmax
+    denominator (a key with that logit and no value)."""
     b, t, h, e = q_bthe.shape
     k = k_bske.shape[2]
     q_btkge = q_bthe.reshape(b, t, k, h // k, e).astype(jnp.float32)
     s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_bske.astype(jnp.float32)) * (scale or e ** -0.5)
     s_bkgts = softcap(s_bkgts, cap)
     s_bkgts = jnp.where(mask_bts[:, None, None], s_bkgts, -1e30)
-    p_bkgts = jax.nn.softmax(s_bkgts, axis=-1)
+    if sinks_h is None:
+        p_bkgts = jax.nn.softmax(s_bkgts, axis=-1)
+    else:  # the sink's column joins the softmax, then is dropped
+        sink_bkgt1 = jnp.broadcast_to(sinks_h.astype(jnp.float32).reshape(1, k, h // k, 1, 1), (*s_bkgts.shape[:-1], 1))
+        p_bkgts = jax.nn.softmax(jnp.concatenate([s_bkgts, sink_bkgt1], -1), axis=-1)[..., :-1]
     o_btkge = jnp.einsum("bkgts,bske->btkge", p_bkgts, v_bske.astype(jnp.float32))
     return o_btkge.reshape(b, t, h, e).astype(q_bthe.dtype)
 
@@ -166,6 +173,10 @@ class Block(nnx.Module):
             self.k_norm_ke = param(rngs, norm_init, (k, e), ("kv_heads", None))
         ev = e if cfg.mla is None else cfg.mla.v_head_dim
         self.wo_hed = param(rngs, normal((h * ev) ** -0.5 / 2), (h, ev, d), LOGICAL["wo_hed"])
+        if cfg.attn_out_bias:
+            self.bo_d = param(rngs, zeros, (d,), (None,))
+        if cfg.attn_sinks:  # one logit per query head in its softmax denominator (gpt-oss)
+            self.sinks_h = param(rngs, zeros, (h,), ("heads",))
         if pre:  # the MLP's, likewise
             self.mlp_norm = param(rngs, norm_init, (d,), (None,))
         if post:
@@ -301,7 +312,10 @@ class Block(nnx.Module):
         c = self.constrain
         if self.mla is not None:  # the value channels, without the padding
             o_bthe = o_bthe[..., :self.mla.v_head_dim]
-        x_btd = c(x_btd + self.norm(self.mm(o_bthe, "wo_hed", n_in=2), "attn_post_norm"), BTD)
+        out_btd = self.mm(o_bthe, "wo_hed", n_in=2)
+        if hasattr(self, "bo_d"):
+            out_btd = out_btd + self.bo_d[...]
+        x_btd = c(x_btd + self.norm(out_btd, "attn_post_norm"), BTD)
         h_btd = self.norm(x_btd, "mlp_norm")
         if hasattr(self, "moe"):
             out_btd, aux = self.moe(h_btd)
@@ -311,13 +325,18 @@ class Block(nnx.Module):
         out_btd = self.mm(self.act(gate_btf) * up_btf, "w_down_fd")
         return c(x_btd + self.norm(out_btd, "mlp_post_norm"), BTD)
 
+    def sinks(self):
+        """The attention sinks (H,) in float32, or None without them."""
+        return self.sinks_h[...].astype(jnp.float32) if hasattr(self, "sinks_h") else None
+
     def __call__(self, x_btd, segment_ids_bt=None, positions_bt=None, kind=None):
         """`kind`: the layer's kind in model.layer_pattern (None without one)."""
         x_btd = checkpoint_name(x_btd, "layer_input")  # names for train.remat=offload
         q_bthe, k_btke, v_btke = self.qkv(x_btd, positions_bt, kind)
         o_bthe = attention.attend(q_bthe, k_btke, v_btke, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
                                   impl=self.attention, constrain=self.constrain, window=self.window_of(kind),
-                                  scale=self.scale, softcap=self.softcap, attention_chunk=self.chunk_of(kind))
+                                  scale=self.scale, softcap=self.softcap, attention_chunk=self.chunk_of(kind),
+                                  sinks_h=self.sinks())
         o_bthe = checkpoint_name(self.constrain(o_bthe, BTHE), "attention_out")
         return self.finish(x_btd, o_bthe)
 
@@ -345,7 +364,8 @@ class Block(nnx.Module):
         if (chunk := self.chunk_of(kind)) is not None:  # positions: slots after the row's left padding
             mask_bts &= (key_s[None, None, :] - first_b[:, None, None]) // chunk == (
                 query_t[None, :, None] - first_b[:, None, None]) // chunk
-        x_btd = self.finish(x_btd, cached_attention(q_bthe, keys, values, mask_bts, self.scale, self.softcap))
+        x_btd = self.finish(x_btd, cached_attention(q_bthe, keys, values, mask_bts, self.scale, self.softcap,
+                                                    self.sinks()))
         return (x_btd[0] if isinstance(x_btd, tuple) else x_btd), k_bske, v_bske
 
 

@@ -10,7 +10,11 @@ float32; the k largest are the token's experts; their probabilities, renormalise
 (`norm_topk_prob`, Mixtral and Qwen3-MoE) or not (Qwen2-MoE's default), weight the experts'
 outputs. Shared experts (`n_shared_experts`, one SwiGLU MLP of `shared_expert_d_ff` hidden units)
 see every token; with `shared_expert_gate` (Qwen2-MoE) their output is scaled by
-sigmoid(h . w_gate). Auxiliary losses, returned to the trainer as `aux` (already multiplied by their coefficients):
+sigmoid(h . w_gate). gpt-oss adds a learned bias to the router logits (`router_logit_bias`; its
+top-k of the logits then softmax over the k is this softmax renormalised over the k), biases to each
+expert's projections (`expert_bias`; the down projection's is added outside the per-shard code,
+weighted like its expert's output) and its clamped SwiGLU (`swiglu_limit`, `gated`).
+Auxiliary losses, returned to the trainer as `aux` (already multiplied by their coefficients):
   moe_aux_loss  = coef x E x sum_e f_e P_e  (Switch / Mixtral load balancing: f_e the fraction of
                   tokens with e among their k, P_e the mean router probability of e; k at balance)
   router_z_loss = coef x mean(logsumexp(logits)^2)  (ST-MoE)
@@ -64,6 +68,15 @@ from models.layers import dense, flat_matmuls, param
 normal = nnx.initializers.normal
 W_IN = ("experts", "expert_embed", "mlp")
 W_OUT = ("experts", "mlp", "expert_embed")
+
+
+def gated(gate, up, moe_cfg):
+    """The experts' gated activation: silu(gate) * up, or gpt-oss's clamped SwiGLU (moe.swiglu_limit)."""
+    limit = moe_cfg.swiglu_limit
+    if limit is None:
+        return jax.nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(moe_cfg.swiglu_alpha * gate)
 
 
 def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True, quantization="none"):
@@ -180,11 +193,13 @@ def exclusive_cumsum(x):
     return jnp.cumsum(x) - x
 
 
-def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, *, cfg,
-                  quantization="none", platform=None):
+def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_down_efd, b_gate_ef=None,
+                  b_up_ef=None, *, cfg, quantization="none", platform=None):
     """One device's tokens through their experts (see the module docstring), the grouped matmuls
-    quantized by `quantization`, by kernels for `platform` (`grouped`); returns out_btd. With router
-    `sigmoid_input` (Llama 4) the weights scale each assignment's input instead of its output."""
+    quantized by `quantization`, by kernels for `platform` (`grouped`), plus the experts' gate and up
+    biases (E, F) where given (the down projection's bias is the caller's: it would be summed over
+    `mlp` here); returns out_btd. With router `sigmoid_input` (Llama 4) the weights scale each
+    assignment's input instead of its output."""
     b, t, d = x_btd.shape
     k = top_i_btk.shape[-1]
     w_gate_edf = shard.all_gather(w_gate_edf, "expert_embed", axis=1)
@@ -221,8 +236,16 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
         weight_btk = jnp.ones_like(weight_btk)
     x_ad = gather_rows(x_ad, order_a)
     matmul = functools.partial(grouped, quantization=quantization, platform=platform)
-    dispatch = functools.partial(dispatch_rounds, shard, rows, matmul)
-    y_ad = dispatch(x_ad, (w_gate_edf, w_up_edf, w_down_efd), routes, rounds)
+
+    def ffn(x_rd, w_edfs, group_l, expert_r):  # the local experts' gated MLP over rows sorted by expert
+        w_gate_edf, w_up_edf, w_down_efd, *biases = w_edfs
+        gate_rf, up_rf = matmul(x_rd, w_gate_edf, group_l), matmul(x_rd, w_up_edf, group_l)
+        if biases:  # each row's local expert's (expert_r = el: padding, a zero bias)
+            gate_rf, up_rf = (y + b.at[expert_r].get(mode="fill", fill_value=0).astype(y.dtype)
+                              for y, b in zip((gate_rf, up_rf), biases))
+        return matmul(gated(gate_rf, up_rf, cfg.moe), w_down_efd, group_l)
+    biases = () if b_gate_ef is None else (b_gate_ef, b_up_ef)
+    y_ad = dispatch_rounds(shard, rows, ffn, x_ad, (w_gate_edf, w_up_edf, w_down_efd, *biases), routes, rounds)
     y_nkd = scatter_rows(y_ad, order_a, a).reshape(n, k, d)  # dropped assignments: zero
     out_nd = jnp.einsum("nkd,nk->nd", y_nkd.astype(jnp.float32), weight_btk.reshape(n, k).astype(jnp.float32))
     return shard.psum(out_nd, "mlp").astype(x_btd.dtype).reshape(b, t, d)
@@ -243,10 +266,10 @@ class Routes(NamedTuple):
     src_at_p: jax.Array  # where they start among j's sorted rows
 
 
-def dispatch_round(shard, rows: int, matmul, r, x_ad, w_edfs, routes: Routes, y_ad):
+def dispatch_round(shard, rows: int, ffn, r, x_ad, w_edfs, routes: Routes, y_ad):
     """Round r of dispatch: the rows of every device's receive stream (arrivals by sender, then
     local expert) at [r rows, (r + 1) rows) go to their device by ragged all-to-all, through its
-    grouped SwiGLU (`matmul(x_rd, w_edf, group_e)`), and back into y_ad (A, d) at the rows they came
+    experts (`ffn(x_rd, w_edfs, group_e, expert_r)`: rows sorted by local expert), and back into y_ad (A, d) at the rows they came
     from; y_ad's other rows stay."""
     send_p, send_at_p, dest_at_p, recv_pl, recv_at_p, src_at_p = routes
     recv_p, start = recv_pl.sum(1), r * rows
@@ -264,9 +287,7 @@ def dispatch_round(shard, rows: int, matmul, r, x_ad, w_edfs, routes: Routes, y_
     order_r = jnp.argsort(local_r, stable=True)
     group_l = jnp.zeros((el + 1,), jnp.int32).at[local_r].add(1)[:el]
     x_rd = gather_rows(recv_rd, order_r)
-    w_gate_edf, w_up_edf, w_down_efd = w_edfs
-    gate_rf, up_rf = matmul(x_rd, w_gate_edf, group_l), matmul(x_rd, w_up_edf, group_l)
-    y_rd = matmul(jax.nn.silu(gate_rf) * up_rf, w_down_efd, group_l)
+    y_rd = ffn(x_rd, w_edfs, group_l, jnp.sort(local_r))
     y_rd = jnp.where((jnp.arange(rows) < group_l.sum())[:, None], y_rd, 0)
     back_at_p = jnp.where(got_p > 0, recv_at_p + rlo_p - start, 0)
     return shard.ragged_all_to_all(scatter_rows(y_rd, order_r, rows), y_ad, back_at_p, got_p, src_at_p + rlo_p, sent_p,
@@ -274,29 +295,29 @@ def dispatch_round(shard, rows: int, matmul, r, x_ad, w_edfs, routes: Routes, y_
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def dispatch_rounds(shard, rows: int, matmul, x_ad, w_edfs, routes: Routes, rounds):
+def dispatch_rounds(shard, rows: int, ffn, x_ad, w_edfs, routes: Routes, rounds):
     """y_ad: every sorted row of x_ad through its expert, in `rounds` rounds of `dispatch_round`
     (the first, then a while loop for the rest: memory is one round's whatever the routing). Its
     gradient keeps the first round's residuals (the only round when routing is within
     receive_buffer of balanced, so that costs what one ragged pass does) and runs the later rounds
     again, each recomputing its forward for its own backward (a loop of unknown length keeps none)."""
-    return _dispatch_fwd(shard, rows, matmul, x_ad, w_edfs, routes, rounds)[0]
+    return _dispatch_fwd(shard, rows, ffn, x_ad, w_edfs, routes, rounds)[0]
 
 
-def _dispatch_fwd(shard, rows, matmul, x_ad, w_edfs, routes, rounds):
+def _dispatch_fwd(shard, rows, ffn, x_ad, w_edfs, routes, rounds):
     def round_r(r, x, w, y):
-        return dispatch_round(shard, rows, matmul, r, x, w, routes, y)
+        return dispatch_round(shard, rows, ffn, r, x, w, routes, y)
     y_ad, first_vjp = jax.vjp(lambda x, w: round_r(0, x, w, jnp.zeros_like(x)), x_ad, w_edfs)
     with jax.named_scope(OVERFLOW_SCOPE):
         y_ad = jax.lax.fori_loop(1, rounds, lambda r, y: round_r(r, x_ad, w_edfs, y), y_ad)
     return y_ad, (first_vjp, x_ad, w_edfs, routes, rounds)
 
 
-def _dispatch_bwd(shard, rows, matmul, res, g_ad):
+def _dispatch_bwd(shard, rows, ffn, res, g_ad):
     first_vjp, x_ad, w_edfs, routes, rounds = res
 
     def later_round(r, acc):
-        _, vjp = jax.vjp(lambda x, w: dispatch_round(shard, rows, matmul, r, x, w, routes, jnp.zeros_like(x)),
+        _, vjp = jax.vjp(lambda x, w: dispatch_round(shard, rows, ffn, r, x, w, routes, jnp.zeros_like(x)),
                          x_ad, w_edfs)
         return jax.tree.map(lambda s, g: s + g.astype(s.dtype), acc, vjp(g_ad))
     first = jax.tree.map(lambda g: g.astype(jnp.float32), first_vjp(g_ad))
@@ -318,6 +339,12 @@ class Moe(nnx.Module):
         self.router_de = param(rngs, normal(d ** -0.5), (d, e), ("embed", None))
         if cfg.moe.router == "sigmoid":  # load-balancing state: no gradient, no optimizer update
             self.router_bias_e = param(rngs, nnx.initializers.zeros, (e,), (None,))
+        if cfg.moe.router_logit_bias:  # a learned bias on the logits (gpt-oss)
+            self.router_b_e = param(rngs, nnx.initializers.zeros, (e,), (None,))
+        if cfg.moe.expert_bias:
+            self.b_gate_ef = param(rngs, nnx.initializers.zeros, (e, f), ("experts", "mlp"))
+            self.b_up_ef = param(rngs, nnx.initializers.zeros, (e, f), ("experts", "mlp"))
+            self.b_down_ed = param(rngs, nnx.initializers.zeros, (e, d), (None, None))
         self.w_gate_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_up_edf = param(rngs, normal(d ** -0.5), (e, d, f), W_IN)
         self.w_down_efd = param(rngs, normal(f ** -0.5 / 2), (e, f, d), W_OUT)
@@ -333,6 +360,8 @@ class Moe(nnx.Module):
         c, cfg = self.constrain, self.cfg
         flat = flat_matmuls(c)
         logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32), flat=flat)
+        if hasattr(self, "router_b_e"):
+            logits_bte = logits_bte + self.router_b_e[...].astype(jnp.float32)
         if cfg.moe.router == "sigmoid":
             top_i_btk, weight_btk, probs_bte = route_sigmoid(logits_bte, self.router_bias_e[...], cfg, c)
             aux = {"router_load": jax.lax.stop_gradient(expert_load(top_i_btk, cfg.moe.n_experts))}
@@ -345,10 +374,17 @@ class Moe(nnx.Module):
                                                      cfg.moe.norm_topk_prob)
             aux = aux_losses(logits_bte, probs_bte, top_i_btk, cfg)
         btk = ("batch", "seq", None)
+        biases = (self.b_gate_ef[...], self.b_up_ef[...]) if cfg.moe.expert_bias else ()
         local = c.shard_map(lambda shard, *xs: experts_local(shard, *xs, cfg=cfg, quantization=self.quantization,
                                                              platform=c.platform),
-                            (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT), ("batch", "seq", None))
-        out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
+                            (("batch", "seq", None), btk, btk, W_IN, W_IN, W_OUT, *[("experts", "mlp")] * len(biases)),
+                            ("batch", "seq", None))
+        out_btd = local(h_btd, top_i_btk, weight_btk, self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...],
+                        *biases)
+        if cfg.moe.expert_bias:  # each chosen expert's down bias, weighted as its output
+            b_btkd = self.b_down_ed[...][top_i_btk].astype(jnp.float32)
+            bias_btd = jnp.einsum("btkd,btk->btd", b_btkd, weight_btk.astype(jnp.float32))
+            out_btd = out_btd + bias_btd.astype(out_btd.dtype)
         if cfg.moe.n_shared_experts:
             shared = (self.shared_w_gate_df[...], self.shared_w_up_df[...], self.shared_w_down_fd[...])
             shared_btd = swiglu(h_btd, *shared, flat, self.quantization)

@@ -108,6 +108,15 @@ class MoeConfig:
     dense_layers: tuple[int, ...] = ()
     """Further layers (by index) with a dense MLP among the MoE ones (Llama 4: those not in moe_layers);
     each run of consecutive layers of one kind is its own rolled scan."""
+    router_logit_bias: bool = False
+    """A learned bias added to the router logits before the top-k (gpt-oss)."""
+    expert_bias: bool = False
+    """Biases on each expert's gate, up and down projections (gpt-oss)."""
+    swiglu_limit: Optional[float] = None
+    """The experts' clamped SwiGLU (gpt-oss): gate clamped to <= limit, up to [-limit, limit], output
+    (up + 1) * gate * sigmoid(swiglu_alpha * gate); null: the plain SwiGLU silu(gate) * up."""
+    swiglu_alpha: float = 1.702
+    """With swiglu_limit: the sigmoid's gain."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +140,8 @@ class MlaConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
-    Mistral, Qwen2/2.5/3, OLMo 2 and Gemma 2/3 are configs of the one decoder `gpt` (alias `llama`)."""
+    Mistral, Qwen2/2.5/3, OLMo 2, Gemma 2/3, DeepSeek-V3 and gpt-oss are configs of the one decoder
+    `gpt` (alias `llama`)."""
 
     name: str = "gpt"
     vocab_size: int = 256
@@ -207,6 +217,12 @@ class ModelConfig:
     attn_logit_softcapping); null: none. Not with attention=cudnn (its kernel has no cap)."""
     final_softcap: Optional[float] = None
     """Output logits soft-capped to c * tanh(logits / c) (Gemma 2's final_logit_softcapping)."""
+    attn_sinks: bool = False
+    """A learned logit per query head joins every query's softmax denominator as a key with no value
+    (gpt-oss's attention sinks): a query may attend to nothing. Every attention implementation and
+    the KV cache honour it."""
+    attn_out_bias: bool = False
+    """A bias on the attention's output projection (gpt-oss, with qkv_bias)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters for fine-tuning (off unless lora.rank > 0)."""
     moe: MoeConfig = field(default_factory=MoeConfig)

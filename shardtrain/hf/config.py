@@ -2,8 +2,8 @@
 
 `model_config` reads either rope form (top-level rope_theta / rope_scaling, or transformers 5's
 rope_parameters, Gemma 3's and OLMo 3's per layer type; linear, llama3, yarn, dynamic) and refuses what
-the one decoder of models/gpt.py cannot compute (another activation, an o_proj bias, partial rotary, a
-mix of windowed and full layers outside the layer_types families, dense layers between MoE layers
+the one decoder of models/gpt.py cannot compute (another activation, an o_proj bias outside gpt-oss, partial
+rotary, a mix of windowed and full layers outside the layer_types families, dense layers between MoE layers
 outside DeepSeek's and Llama 4's, bidirectional attention).
 `hf_config` writes the config.json transformers loads: the imported one updated, or a fresh one for
 the family that holds the model config.
@@ -32,11 +32,14 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r})")
     if hf.get("quantization_config"):  # DeepSeek-V3's own checkpoint: fp8 blocks with scales beside them
         method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
-        raise ConfigError(f"{where}: quantization_config (quant_method {method!r}) is not supported; "
-                          "dequantize the weights to bfloat16 first")
+        if not (method == "mxfp4" and family.moe is not None and family.moe.fused):  # gpt-oss's: hf/mxfp4.py
+            raise ConfigError(f"{where}: quantization_config (quant_method {method!r}) is not supported; "
+                              "dequantize the weights to bfloat16 first")
     if hf.get("attention_bias") and not family.qkv_bias:
         raise ConfigError(f"{where}: attention_bias=true (an o_proj bias) is not supported")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
+    if not (hf.get("rope_parameters") or hf.get("rope_scaling")) and family.rope:  # transformers' default
+        hf = {**hf, "rope_parameters": {"rope_theta": hf.get("rope_theta", 10000.0), **family.rope}}
     theta, rope_scaling, local_theta = rope(hf, where, family)
     head_dim = hf.get("head_dim") or d // h
     window, pattern = sliding_window(hf, family, where)
@@ -267,10 +270,12 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
                    qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim, rope_interleave=True,
                    head_dim=a.qk_rope_head_dim, qk_head_dim=a.qk_nope_head_dim + a.qk_rope_head_dim)
     out.pop("torch_dtype", None)
+    out.pop("quantization_config", None)  # gpt-oss's MXFP4 experts were dequantized on import
     windowed = m.sliding_window is not None
     if family.window == "always":
         out["sliding_window"] = m.sliding_window
-    elif windowed or out.get("use_sliding_window"):  # Qwen: windowed on every layer, or on none
+    elif family.window == "use_sliding_window" and (windowed or out.get("use_sliding_window")):
+        # Qwen: windowed on every layer, or on none
         out.update(use_sliding_window=windowed, max_window_layers=0 if windowed else m.n_layers)
         if windowed:
             out["sliding_window"] = m.sliding_window
@@ -296,8 +301,8 @@ def same_rope(hf: dict, m: ModelConfig) -> bool:
 
 
 def gemma_keys(m: ModelConfig, family: Family, rope: dict) -> dict:
-    """The keys of a config.json with layer_types (Gemma, OLMo 3): layer kinds, window, (Gemma) attention
-    scale and soft caps, and (Gemma 3, OLMo 3) rope_parameters per layer type."""
+    """The keys of a config.json with layer_types (Gemma, OLMo 3, gpt-oss): layer kinds, window, (Gemma)
+    attention scale and soft caps, and (Gemma 3, OLMo 3) rope_parameters per layer type."""
     kinds = m.layer_pattern or (("local",) if m.sliding_window else ("global",))
     names = {kind: name for name, kind in LAYER_KINDS.items()}
     out = {"layer_types": [names[kinds[i % len(kinds)]] for i in range(m.n_layers)], "sliding_window": m.sliding_window}

@@ -9,7 +9,9 @@ All of them are configs of the one decoder in models/gpt.py. A family differs fr
   global layers; the local ones' rotary base: `local_theta_key`, `local_theta`);
 - for a mixture of experts: which config.json key holds each of our MoE fields, the defaults when
   a key is absent, and the names of its MoE MLP's tensors;
-- DeepSeek-V3's latent attention (`mla`).
+- DeepSeek-V3's latent attention (`mla`);
+- gpt-oss's attention sinks and output bias (traits), its experts' biases, clamped SwiGLU and fused
+  expert tensors (`Moe.fused`).
 
 `family_for(model)` picks the family that holds our model config exactly: a config that no family
 holds (say qk_norm and qkv_bias together) is a ConfigError rather than an export that drops a
@@ -51,6 +53,9 @@ class Moe:
     sparse_step: bool = False
     """config.json can leave dense layers between MoE layers (decoder_sparse_step, mlp_only_layers);
     we read only configs where every layer is MoE (Qwen-MoE)."""
+    fused: bool = False
+    """The experts as stacked tensors under `mlp`experts.: gate_up_proj (E, D, 2F), gate and up
+    columns interleaved, down_proj (E, F, D), with biases, and a router with a bias (gpt-oss)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ class Family:
     local_theta: float = 10000.0
     """... and that base when config.json gives neither (OLMo 3: transformers' default_theta, whatever
     rope_theta says)."""
+    rope: dict = field(default_factory=dict)
+    """The rope scaling transformers assumes when config.json has no rope_parameters / rope_scaling
+    (gpt-oss: yarn); {}: none."""
 
     def trait(self, name: str):
         """The value the family fixes for ModelConfig field `name` (one of TRAITS)."""
@@ -93,7 +101,8 @@ class Family:
 
 
 TRAIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
-                  if f.name in ("norm_position", "norm_scale", "activation", "scale_embeddings", "qk_norm_scope")}
+                  if f.name in ("norm_position", "norm_scale", "activation", "scale_embeddings", "qk_norm_scope",
+                              "attn_sinks", "attn_out_bias")}
 """The ModelConfig fields a family fixes (Family.traits), with their defaults."""
 EXTRAS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta")
 """Optional ModelConfig fields only some families hold (Family.extras)."""
@@ -145,9 +154,19 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
         defaults={"experts_per_token": 1, "router_aux_loss_coef": 0.001}, mlp="feed_forward.",
         experts=("gate_up_proj", "gate_up_proj", "down_proj"), fixed={"router": "sigmoid_input", "n_shared_experts": 1},
         shared="plain", derived=("dense_layers", "dense_d_ff"))),
+    Family("GptOssForCausalLM", "gpt_oss", qkv_bias=True, window="layer_types", pattern=2,
+           traits={"attn_sinks": True, "attn_out_bias": True}, rope={
+               "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+               "original_max_position_embeddings": 4096}, moe=Moe(
+               keys={"n_experts": ("num_local_experts",), "experts_per_token": ("num_experts_per_tok",),
+                     "router_aux_loss_coef": ("router_aux_loss_coef",), "swiglu_limit": ("swiglu_limit",),
+                     "swiglu_alpha": ("swiglu_alpha",)},
+               defaults={"router_aux_loss_coef": 0.001, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}, mlp="mlp.",
+               experts=("gate_up_proj", "gate_up_proj", "down_proj"), fused=True,
+               fixed={"norm_topk_prob": True, "router_logit_bias": True, "expert_bias": True})),
 ]}
 ROUTING = ("router", "n_groups", "topk_groups", "routed_scaling_factor", "first_dense_layers", "dense_d_ff",
-           "dense_layers")
+           "dense_layers", "router_logit_bias", "expert_bias", "swiglu_limit", "swiglu_alpha")
 """MoE fields that change the math which only families naming them (keys, fixed) hold."""
 
 

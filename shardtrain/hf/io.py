@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from shardtrain.config import ConfigError, ModelConfig
-from shardtrain.hf import safetensors_io
+from shardtrain.hf import mxfp4, safetensors_io
 from shardtrain.hf.config import hf_config, model_config
 from shardtrain.hf.families import family_of
 from shardtrain.hf.layout import Entry, indexed_names, names_of, tensor_map, tree_get, tree_set
@@ -94,7 +94,8 @@ class HfDir:
         self.hf = read_config(self.dir)
         self.family = family_of(self.hf, str(self.dir / "config.json"))
         self.model = model_config(self.hf, str(self.dir / "config.json"))
-        self.reader = safetensors_io.Reader(safetensors_files(self.dir))
+        quantized = (self.hf.get("quantization_config") or {}).get("quant_method") == "mxfp4"  # gpt-oss's experts
+        self.reader = (mxfp4.Reader if quantized else safetensors_io.Reader)(safetensors_files(self.dir))
         if self.model.tie_embeddings and "lm_head.weight" in self.reader.where:
             # tie_word_embeddings absent from config.json but an lm_head is stored: it is untied
             self.model = dataclasses.replace(self.model, tie_embeddings=False)

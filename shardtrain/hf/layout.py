@@ -26,6 +26,11 @@ Layouts (ours <- HF, per layer i; our block parameters are stacked on a leading 
   wkv_b_che (C, H, N+A) <- kv_b_proj (H*(N+A), C);  wo_hed (H, A, D) <- o_proj (D, H*A);
   blocks/moe/router_bias_e (E,) <- mlp.gate.e_score_correction_bias; shared experts under mlp.shared_experts.
   With moe.first_dense_layers = k: blocks/dense holds HF layers 0..k-1, blocks/sparse the others.
+  gpt-oss (families.Moe.fused; under model.layers.{i}.): blocks/bo_d <- self_attn.o_proj.bias;
+  blocks/sinks_h (H,) <- self_attn.sinks;  blocks/moe/router_de, router_b_e <- mlp.router.weight (E, D), bias;
+  blocks/moe/w_gate_edf, w_up_edf (E, D, F) <- mlp.experts.gate_up_proj (E, D, 2F), columns 0::2 and 1::2;
+  b_gate_ef, b_up_ef (E, F) <- gate_up_proj_bias (E, 2F) likewise;  w_down_efd (E, F, D), b_down_ed (E, D) <-
+  down_proj, down_proj_bias (MXFP4 blocks and scales dequantized by hf/mxfp4.py).
 The rotary layout needs no permutation: models/gpt.py rotates halves exactly as HF does, except
 DeepSeek's interleaved pairs, de-interleaved in the rotary rows of q_b_proj and kv_a_proj (`rope_perm`).
 """
@@ -58,7 +63,7 @@ class Entry:
     """... for `count` layers (None: all the model's)."""
     joined: tuple[tuple[str, ...], ...] = ()
     """More of our parameters the HF tensor holds after `ours`, equal parts of to_ours' last axis
-    (Llama 4's experts.gate_up_proj: w_gate_edf then w_up_edf)."""
+    (the experts' gate_up_proj of Llama 4 and gpt-oss: w_gate_edf then w_up_edf)."""
 
     @property
     def paths(self) -> tuple[tuple[str, ...], ...]:
@@ -173,6 +178,10 @@ def model_map(m: ModelConfig) -> list[Entry]:
         entries += [Entry(("blocks", "bq_he"), attn + "q_proj.bias", (h * e,), *bias(h)),
                     Entry(("blocks", "bk_ke"), attn + "k_proj.bias", (k * e,), *bias(k)),
                     Entry(("blocks", "bv_ke"), attn + "v_proj.bias", (k * e,), *bias(k))]
+    if m.attn_out_bias:
+        entries.append(Entry(("blocks", "bo_d"), attn + "o_proj.bias", (d,), same, same))
+    if m.attn_sinks:
+        entries.append(Entry(("blocks", "sinks_h"), attn + "sinks", (h,), same, same))
     if m.qk_norm and m.qk_norm_scope == "head":
         entries += [Entry(("blocks", "q_norm"), attn + "q_norm.weight", (e,), same, same),
                     Entry(("blocks", "k_norm"), attn + "k_norm.weight", (e,), same, same)]
@@ -191,9 +200,36 @@ def model_map(m: ModelConfig) -> list[Entry]:
     return entries
 
 
+def interleave(gate_up):
+    """Our gates then ups (..., 2F) -> gpt-oss's gate_up_proj columns g0, u0, g1, u1, ..."""
+    gate, up = np.split(gate_up, 2, axis=-1)
+    return np.stack([gate, up], -1).reshape(gate_up.shape)
+
+
+def deinterleave(t):
+    """gpt-oss's gate_up_proj columns g0, u0, g1, u1, ... -> our gates then ups."""
+    return np.concatenate([t[..., 0::2], t[..., 1::2]], axis=-1)
+
+
+def fused_moe_entries(m: ModelConfig) -> list[Entry]:
+    """gpt-oss's experts: stacked (E, ...) tensors with biases, gate and up interleaved in one."""
+    d, f, n = m.d_model, m.d_ff, m.moe.n_experts
+    mlp, ours = "model.layers.{i}.mlp.", ("blocks", "moe")
+    return [Entry((*ours, "router_de"), mlp + "router.weight", (n, d), tr, tr),
+            Entry((*ours, "router_b_e"), mlp + "router.bias", (n,), same, same),
+            Entry((*ours, "w_gate_edf"), mlp + "experts.gate_up_proj", (n, d, 2 * f), deinterleave, interleave,
+                  joined=((*ours, "w_up_edf"),)),
+            Entry((*ours, "b_gate_ef"), mlp + "experts.gate_up_proj_bias", (n, 2 * f), deinterleave, interleave,
+                  joined=((*ours, "b_up_ef"),)),
+            Entry((*ours, "w_down_efd"), mlp + "experts.down_proj", (n, f, d), same, same),
+            Entry((*ours, "b_down_ed"), mlp + "experts.down_proj_bias", (n, d), same, same)]
+
+
 def moe_entries(m: ModelConfig) -> list[Entry]:
     d, f, n = m.d_model, m.d_ff, m.moe.n_experts
     moe = family_for(m).moe
+    if moe.fused:
+        return fused_moe_entries(m)
     mlp, (gate, up, down) = "model.layers.{i}." + moe.mlp, moe.experts
     ours = ("blocks", "moe")
     entries = [Entry((*ours, "router_de"), mlp + "gate.weight", (n, d), tr, tr),

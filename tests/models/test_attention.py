@@ -33,9 +33,10 @@ def packed_segments(t=T):
     return jnp.asarray(seg)
 
 
-def reference(q, k, v, seg=None, window=None, scale=E ** -0.5, softcap=None):
+def reference(q, k, v, seg=None, window=None, scale=E ** -0.5, softcap=None, sinks=None):
     """Explicit softmax over a causal (+ window) + same-document mask, k/v repeated to H heads;
-    scores times `scale`, soft-capped to softcap * tanh(s / softcap)."""
+    scores times `scale`, soft-capped to softcap * tanh(s / softcap); with `sinks` (H,), each head's
+    sink logit joins the softmax as one more column, dropped after it (gpt-oss)."""
     rep = H // K
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     s = jnp.einsum("bqhe,bkhe->bhqk", q, k) * scale
@@ -47,7 +48,10 @@ def reference(q, k, v, seg=None, window=None, scale=E ** -0.5, softcap=None):
         mask = mask & ~jnp.tril(jnp.ones((t, t), bool), -window)[None, None]
     if seg is not None:
         mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
-    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    s = jnp.where(mask, s, -jnp.inf)
+    if sinks is not None:
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], (*s.shape[:3], 1))], -1)
+    p = jax.nn.softmax(s, axis=-1)[..., :t]
     return jnp.einsum("bhqk,bkhe->bqhe", p, v)
 
 

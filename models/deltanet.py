@@ -1,0 +1,89 @@
+"""Gated DeltaNet linear attention (Qwen3-Next's `linear_attention` layers): the gated delta rule
+as a chunked scan over the sequence, sharded over heads, and one recurrent step for generation.
+
+Per head, a state S (K x V) is decayed, corrected towards each token's value, and read by its query:
+
+    S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t K**-0.5
+
+`gated_delta_rule` computes the same in chunks of C tokens (Yang et al., "Gated Delta Networks",
+as transformers' `torch_chunk_gated_delta_rule` and the flash-linear-attention kernels): inside a
+chunk the C corrections are one unit lower-triangular solve (the UT transform) and a C x C
+attention; a `lax.scan` over the chunks carries S, so memory is O(T C + K V) per head and the scan
+is T / C steps. Heads are independent: under the trainer the function runs per shard of `heads`
+(`constrain.shard_map`), every head's state on the device that holds it. `gated_delta_step` is
+the recurrence for one new token (generation keeps S per layer instead of a KV cache).
+
+q and k come l2-normalised by the caller, their heads already repeated to v's (Qwen3-Next's
+grouped value heads). Shapes: B batch, T sequence, H heads, K key head dim, V value head dim,
+N chunks of C. Computed in float32; outputs in v's dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.contract import no_constraint
+
+CHUNK = 64
+
+
+def gated_delta_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, *, chunk: int = CHUNK, state_bhkv=None,
+                     constrain=None):
+    """(o_bthv, final state (B, H, K, V)) of the gated delta rule from `state_bhkv` (default zeros),
+    per shard of `heads` when `constrain` (the trainer's) is given."""
+    names_x, names_g = ("batch", None, "heads", None), ("batch", None, "heads")
+    names_s = ("batch", "heads", None, None)
+    b, _, h, k = q_bthk.shape
+    if state_bhkv is None:
+        state_bhkv = jnp.zeros((b, h, k, v_bthv.shape[-1]), jnp.float32)
+    local = (constrain or no_constraint).shard_map(
+        lambda shard, *xs: _chunked(*xs, chunk=chunk),
+        (names_x, names_x, names_x, names_g, names_g, names_s), (names_x, names_s))
+    return local(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv)
+
+
+def _chunked(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, *, chunk):
+    b, t, h, k = q_bthk.shape
+    c = min(chunk, t)
+    pad = -t % c
+    n = (t + pad) // c
+
+    def chunks(x):  # (B, T, H, ...) -> (N, B, H, C, ...), zero-padded to N C tokens
+        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, n, c, h, *x.shape[3:])
+        return jnp.moveaxis(x, (1, 3), (0, 2))
+    q, kk, v, g, beta = map(chunks, (q_bthk * k ** -0.5, k_bthk, v_bthv, g_bth, beta_bth))
+    cum_nbhc = jnp.cumsum(g, -1)  # log of the decay from the chunk's start through each token
+    lower_cc = jnp.tril(jnp.ones((c, c), bool))
+    decay_nbhcc = jnp.exp(jnp.where(lower_cc, cum_nbhc[..., :, None] - cum_nbhc[..., None, :], -jnp.inf))
+    k_beta = kk * beta[..., None]
+    # UT transform: (I + strictly lower(beta K K^T * decay)) W = [beta V, beta K exp(cum)]
+    system = jnp.einsum("...ik,...jk->...ij", k_beta, kk) * decay_nbhcc
+    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum_nbhc)[..., None]], -1)
+    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    new_v, k_cumdecay = solved[..., :v.shape[-1]], solved[..., v.shape[-1]:]
+    intra_nbhcc = jnp.einsum("...ik,...jk->...ij", q, kk) * decay_nbhcc
+    q_decayed = q * jnp.exp(cum_nbhc)[..., None]
+    k_decayed = kk * jnp.exp(cum_nbhc[..., -1:] - cum_nbhc)[..., None]
+    chunk_decay = jnp.exp(cum_nbhc[..., -1])[..., None, None]
+
+    def step(s_bhkv, xs):
+        new_v, k_cumdecay, intra, q_decayed, k_decayed, chunk_decay = xs
+        v_new = new_v - k_cumdecay @ s_bhkv  # the part of the values the state does not yet predict
+        o_bhcv = q_decayed @ s_bhkv + intra @ v_new
+        return s_bhkv * chunk_decay + jnp.swapaxes(k_decayed, -1, -2) @ v_new, o_bhcv
+    state, o_nbhcv = jax.lax.scan(step, state_bhkv.astype(jnp.float32),
+                                  (new_v, k_cumdecay, intra_nbhcc, q_decayed, k_decayed, chunk_decay))
+    o_bthv = jnp.moveaxis(o_nbhcv, (0, 2), (1, 3)).reshape(b, n * c, h, -1)[:, :t]
+    return o_bthv.astype(v_bthv.dtype), state
+
+
+def gated_delta_step(q_bhk, k_bhk, v_bhv, g_bh, beta_bh, state_bhkv):
+    """One token's (o_bhv, new state) of the recurrence (generation)."""
+    f32 = jnp.float32
+    q, k, v = (x.astype(f32) for x in (q_bhk, k_bhk, v_bhv))
+    s = state_bhkv.astype(f32) * jnp.exp(g_bh.astype(f32))[..., None, None]
+    delta_bhv = (v - jnp.einsum("bhkv,bhk->bhv", s, k)) * beta_bh.astype(f32)[..., None]
+    s = s + k[..., :, None] * delta_bhv[..., None, :]
+    return jnp.einsum("bhkv,bhk->bhv", s, q * q.shape[-1] ** -0.5).astype(v_bhv.dtype), s
