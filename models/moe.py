@@ -269,8 +269,8 @@ class Routes(NamedTuple):
 def dispatch_round(shard, rows: int, ffn, r, x_ad, w_edfs, routes: Routes, y_ad):
     """Round r of dispatch: the rows of every device's receive stream (arrivals by sender, then
     local expert) at [r rows, (r + 1) rows) go to their device by ragged all-to-all, through its
-    experts (`ffn(x_rd, w_edfs, group_e, expert_r)`: rows sorted by local expert), and back into y_ad (A, d) at the rows they came
-    from; y_ad's other rows stay."""
+    experts (`ffn(x_rd, w_edfs, group_e, expert_r)`: rows sorted by local expert), and back into
+    y_ad (A, d) at the rows they came from; y_ad's other rows stay."""
     send_p, send_at_p, dest_at_p, recv_pl, recv_at_p, src_at_p = routes
     recv_p, start = recv_pl.sum(1), r * rows
     # the part of each block inside the window: [lo, hi) of its rows, at both ends of the exchange
