@@ -31,7 +31,8 @@ def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
     """The compiled program's memory per chip and MFU, memoized in tests/golden/compiled_fits.json
     under the sha256 of its lowered text, the compilers' versions, the XLA / libtpu flags and the
     planner's own code (shardtrain/plan, which reads the figures off the compiled program, and
-    shardtrain/chips.py, the chip table it divides by; their code, not their comments): the same key gives the
+    shardtrain/chips.py, the chip table it divides by; their code, not their comments; plan/search.py and
+    plan/tune.py, which pick configs, are left out): the same key gives the
     same figures, so only a config whose program or planner changed pays the compile (minutes on CI's 2
     cores); UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
     lowered = prog.lower()
@@ -58,5 +59,8 @@ def memo_key(lowered_text: str) -> str:
     text = re.sub(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"', r'\1"callback"', lowered_text)
     text = re.sub(r'\\22body\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-body", text)
     text = re.sub(r'\\22debug_locations\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-locations", text)  # source paths
-    reader = [code(p) for p in [*sorted(Path(planner.__file__).parent.rglob("*.py")), Path(chips.__file__)]]
+    plan_dir = Path(planner.__file__).parent  # the code that reads figures off a compiled program (not the search's)
+    readers = [plan_dir / "planner.py", plan_dir / "topology.py", *sorted((plan_dir / "hlo").glob("*.py")),
+               Path(chips.__file__)]
+    reader = [code(p) for p in readers]
     return hashlib.sha256("\n".join([*versions, *flags, *reader, text]).encode()).hexdigest()[:16]
