@@ -87,3 +87,52 @@ def gated_delta_step(q_bhk, k_bhk, v_bhv, g_bh, beta_bh, state_bhkv):
     delta_bhv = (v - jnp.einsum("bhkv,bhk->bhv", s, k)) * beta_bh.astype(f32)[..., None]
     s = s + k[..., :, None] * delta_bhv[..., None, :]
     return jnp.einsum("bhkv,bhk->bhv", s, q * q.shape[-1] ** -0.5).astype(v_bhv.dtype), s
+
+
+def causal_conv(x_btc, w_wc, state_bwc):
+    """silu of the causal depthwise convolution (kernel W per channel) of x following `state`, the
+    W - 1 inputs before it (zeros at a sequence's start): (y_btc, the last W - 1 inputs: the next state)."""
+    w, t = w_wc.shape[0], x_btc.shape[1]
+    full = jnp.concatenate([state_bwc.astype(x_btc.dtype), x_btc], 1)  # (B, W - 1 + T, C)
+    y_btc = sum(full[:, i:i + t] * w_wc[i] for i in range(w))
+    return jax.nn.silu(y_btc), full[:, t:]
+
+
+def l2_normalized(x, eps=1e-6):
+    return x * jax.lax.rsqrt((x * x).sum(-1, keepdims=True) + eps)
+
+
+def linear_attention(p: dict, x_btd, *, n_key_heads: int, eps: float = 1e-6, conv_state_bwc=None, state_bhkv=None,
+                     chunk: int = CHUNK, constrain=None):
+    """Qwen3-Next's gated DeltaNet layer: (output_btd, (next conv state, next recurrent state)).
+
+    q, k (n_key_heads heads of K) and v (H heads of V) go through one causal depthwise convolution
+    with silu; each head decays its state by exp(g), g = -exp(a_log) softplus(x w_a + dt_bias), and
+    writes with strength beta = sigmoid(x w_b); q and k are l2-normalised and each serves H / n_key_heads
+    consecutive value heads; the output is RMS-normed per head, gated by silu(x w_z) and projected.
+    `p`: w_qkvz_dc (D, q and k: n_key_heads K each, v and z: H V each), w_ba_dh2 (D, b then a: H each),
+    conv_wc (W, the q, k, v channels), a_log_h, dt_bias_h, norm_v (V,), wo_vd (H V, D).
+    With states given (generation), continues from them; a single token takes the recurrent step."""
+    b, t, _ = x_btd.shape
+    h, v_dim = p["a_log_h"].shape[0], p["norm_v"].shape[0]
+    qk = (p["w_qkvz_dc"].shape[1] - 2 * h * v_dim) // 2  # n_key_heads K
+    if conv_state_bwc is None:
+        conv_state_bwc = jnp.zeros((b, p["conv_wc"].shape[0] - 1, p["conv_wc"].shape[1]), x_btd.dtype)
+    qkv_btc, z_btc = jnp.split(x_btd @ p["w_qkvz_dc"], [2 * qk + h * v_dim], -1)
+    qkv_btc, conv_state_bwc = causal_conv(qkv_btc, p["conv_wc"], conv_state_bwc)
+    q, k, v = jnp.split(qkv_btc, [qk, 2 * qk], -1)
+    q, k = (jnp.repeat(l2_normalized(x.reshape(b, t, n_key_heads, -1)), h // n_key_heads, 2) for x in (q, k))
+    v_bthv = v.reshape(b, t, h, v_dim)
+    b_bth, a_bth = jnp.split(x_btd @ p["w_ba_dh2"], 2, -1)
+    beta_bth = jax.nn.sigmoid(b_bth)
+    g_bth = -jnp.exp(p["a_log_h"].astype(jnp.float32)) * jax.nn.softplus(a_bth.astype(jnp.float32) + p["dt_bias_h"])
+    if t == 1 and state_bhkv is not None:
+        o_bhv, state_bhkv = gated_delta_step(q[:, 0], k[:, 0], v_bthv[:, 0], g_bth[:, 0], beta_bth[:, 0], state_bhkv)
+        o_bthv = o_bhv[:, None]
+    else:
+        o_bthv, state_bhkv = gated_delta_rule(q, k, v_bthv, g_bth, beta_bth, chunk=chunk, state_bhkv=state_bhkv,
+                                              constrain=constrain)
+    o32 = o_bthv.astype(jnp.float32)
+    normed = o32 * jax.lax.rsqrt((o32 * o32).mean(-1, keepdims=True) + eps) * p["norm_v"]
+    gated = (normed * jax.nn.silu(z_btc.reshape(b, t, h, v_dim).astype(jnp.float32))).astype(x_btd.dtype)
+    return gated.reshape(b, t, h * v_dim) @ p["wo_vd"], (conv_state_bwc, state_bhkv)

@@ -211,6 +211,21 @@ def deinterleave(t):
     return np.concatenate([t[..., 0::2], t[..., 1::2]], axis=-1)
 
 
+def grouped_to_ours(w, key_heads: int, parts: tuple[int, ...]):
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba (out, D), grouped per key head (each group: its q, k, v, z
+    rows, or b, a), -> ours (D, out): all heads' first part, then all heads' second, ... (parts: each
+    part's rows per group)."""
+    groups = w.reshape(key_heads, sum(parts), -1)
+    split = np.split(groups, np.cumsum(parts)[:-1], axis=1)
+    return np.concatenate([s.reshape(-1, w.shape[-1]) for s in split]).T
+
+
+def grouped_to_hf(w, key_heads: int, parts: tuple[int, ...]):
+    """grouped_to_ours' inverse."""
+    split = np.split(w.T, np.cumsum([key_heads * n for n in parts])[:-1])
+    return np.concatenate([s.reshape(key_heads, n, -1) for s, n in zip(split, parts)], axis=1).reshape(w.T.shape)
+
+
 def fused_moe_entries(m: ModelConfig) -> list[Entry]:
     """gpt-oss's experts: stacked (E, ...) tensors with biases, gate and up interleaved in one."""
     d, f, n = m.d_model, m.d_ff, m.moe.n_experts

@@ -1,7 +1,9 @@
 """Gated DeltaNet (models/deltanet.py): the chunked scan equals the token-by-token recurrence
 (outputs, final state, gradients), transformers' pure-torch chunked kernel (tests/fixtures/
 gated_delta_rule.npz, made by tests/fixtures/make_hf_fixtures.py), generation's recurrent step
-after a chunked prefill, and itself sharded over heads on a 2x2x2 mesh."""
+after a chunked prefill, and itself sharded over heads on a 2x2x2 mesh; Qwen3-Next's whole linear
+attention layer (`linear_attention`) equals transformers' Qwen3NextGatedDeltaNet (tests/fixtures/
+gated_deltanet_layer.npz) and continues a sequence from its conv and recurrent states."""
 
 from pathlib import Path
 
@@ -11,9 +13,11 @@ import numpy as np
 
 from models import deltanet
 from shardtrain import config
+from shardtrain.hf.layout import grouped_to_hf, grouped_to_ours
 from shardtrain.parallel import mesh as mesh_lib, sharding
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "gated_delta_rule.npz"
+LAYER = Path(__file__).parent.parent / "fixtures" / "gated_deltanet_layer.npz"
 
 
 def l2norm(x):
@@ -87,3 +91,40 @@ def test_sharded_over_heads_equals_unsharded():
             q, k, v, g, beta, s0)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def layer_params(t) -> dict:
+    """The fixture's Qwen3NextGatedDeltaNet tensors (2 key heads of 16, 4 value heads of 8) as ours."""
+    qkvz, ba = (16, 16, 2 * 8, 2 * 8), (2, 2)  # per key head: q, k, its 2 value heads' v, z; b, a
+    return {"w_qkvz_dc": grouped_to_ours(t["in_proj_qkvz.weight"], 2, qkvz),
+            "w_ba_dh2": grouped_to_ours(t["in_proj_ba.weight"], 2, ba), "conv_wc": t["conv1d.weight"][:, 0].T,
+            "a_log_h": t["A_log"], "dt_bias_h": t["dt_bias"], "norm_v": t["norm.weight"],
+            "wo_vd": t["out_proj.weight"].T}
+
+
+def test_linear_attention_layer_equals_transformers_and_its_layout_round_trips():
+    """Projections regrouped from transformers' per-key-head layout (and back, bit for bit), the causal
+    conv, the decay and write gates, the grouped heads, the gated RMSNorm: 2 x 40 tokens in chunks of 16."""
+    t = np.load(LAYER)
+    p = layer_params(t)
+    for name, parts in [("in_proj_qkvz.weight", (16, 16, 16, 16)), ("in_proj_ba.weight", (2, 2))]:
+        np.testing.assert_array_equal(grouped_to_hf(grouped_to_ours(t[name], 2, parts), 2, parts), t[name])
+    out, _ = deltanet.linear_attention(p, jnp.asarray(t["x"]), n_key_heads=2, chunk=16)
+    np.testing.assert_allclose(out, t["out"], atol=1e-5, rtol=1e-5)
+
+
+def test_linear_attention_continues_from_its_states_token_by_token():
+    """Generation: a 30-token prefill, then 10 single tokens through the conv window and the recurrent
+    step, equal the 40 tokens at once."""
+    t = np.load(LAYER)
+    p, x = layer_params(t), jnp.asarray(t["x"])
+    want, (conv_all, state_all) = deltanet.linear_attention(p, x, n_key_heads=2, chunk=16)
+    out, states = deltanet.linear_attention(p, x[:, :30], n_key_heads=2, chunk=16)
+    outs, step = [out], jax.jit(lambda x, c, s: deltanet.linear_attention(
+        p, x, n_key_heads=2, conv_state_bwc=c, state_bhkv=s))
+    for i in range(30, 40):
+        o, states = step(x[:, i:i + 1], *states)
+        outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(states[0], conv_all)
+    np.testing.assert_allclose(states[1], state_all, atol=1e-5, rtol=1e-5)
