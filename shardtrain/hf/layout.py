@@ -300,3 +300,14 @@ def tree_set(tree: dict, path, value) -> None:
     for p in path[:-1]:
         tree = tree.setdefault(p, {})
     tree[path[-1]] = value
+
+
+def gated_query_to_ours(w, heads: int):
+    """Qwen3-Next's q_proj (H 2E, D), each head's query rows then its gate rows, -> (D, H, 2E): our
+    wq_dhe and wgate_dhe as the two halves of the last axis (an Entry's `joined`)."""
+    return w.reshape(heads, w.shape[0] // heads, -1).transpose(2, 0, 1)
+
+
+def gated_query_to_hf(w_dhe2):
+    """gated_query_to_ours' inverse."""
+    return w_dhe2.transpose(1, 2, 0).reshape(-1, w_dhe2.shape[0])
