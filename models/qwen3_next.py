@@ -1,4 +1,6 @@
-"""Qwen3-Next's full-attention layer (Qwen3NextAttention) as a function of its weights; its linear
+"""Qwen3-Next (Qwen3NextForCausalLM) as functions of its weights: the gated full-attention layer
+(Qwen3NextAttention), its MoE, and `logits`, the whole decoder layer after layer (the reference the
+trainer's model must equal; not yet a registered model: no scan, no sharding, no KV cache). Its linear
 attention layers are models/deltanet.py `linear_attention`.
 
 Each query head has an output gate of its own (q_proj gives a query and a gate per head): the
@@ -13,7 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models import attention
+from models import attention, deltanet, moe
+from models.contract import no_constraint
 from models.gpt import rms_norm, rotary
 
 
@@ -32,3 +35,37 @@ def gated_attention(p: dict, x_btd, *, rotary_dim: int, theta: float, eps: float
                       for x, n in ((q_bthe, "q_norm"), (k_btke, "k_norm")))
     o_bthe = attention.attend(q_bthe, k_btke, v_btke, positions_bt=positions_bt, impl=impl, constrain=constrain)
     return jnp.einsum("bthe,hed->btd", o_bthe * jax.nn.sigmoid(gate_bthe), p["wo_hed"])
+
+
+def sparse_moe(p: dict, x_btd, *, experts_per_token: int, norm_topk_prob: bool):
+    """Softmax top-k routing over the experts (every expert computed, weighted by its routing weight:
+    a reference, not a dispatch) plus the shared expert scaled by sigmoid(x w). `p`: router_de,
+    w_gate_edf, w_up_edf, w_down_efd, shared_w_gate_df, shared_w_up_df, shared_w_down_fd,
+    shared_expert_gate_d1."""
+    n = p["router_de"].shape[1]
+    top_i, top_w, _ = moe.route(x_btd @ p["router_de"], experts_per_token, no_constraint, norm_topk_prob)
+    weight_bte = (jax.nn.one_hot(top_i, n) * top_w[..., None]).sum(-2)
+    h_btef = jax.nn.silu(jnp.einsum("btd,edf->btef", x_btd, p["w_gate_edf"])) * jnp.einsum(
+        "btd,edf->btef", x_btd, p["w_up_edf"])
+    routed_btd = jnp.einsum("btef,efd,bte->btd", h_btef, p["w_down_efd"], weight_bte.astype(x_btd.dtype))
+    shared_btd = moe.swiglu(x_btd, p["shared_w_gate_df"], p["shared_w_up_df"], p["shared_w_down_fd"])
+    return routed_btd + jax.nn.sigmoid(x_btd @ p["shared_expert_gate_d1"]) * shared_btd
+
+
+def logits(params: dict, tokens_bt, *, n_key_heads: int, rotary_dim: int, theta: float, eps: float,
+           experts_per_token: int, norm_topk_prob: bool, chunk: int = deltanet.CHUNK):
+    """Logits (B, T, V). `params`: embedding_vd, final_norm, unembed_dv and `layers`, one dict each:
+    mixer_norm, mlp_norm (1 + w), moe (sparse_moe's) and `linear` (deltanet.linear_attention's) or
+    `attention` (gated_attention's)."""
+    x_btd = params["embedding_vd"][tokens_bt]
+    for layer in params["layers"]:
+        h_btd = rms_norm(x_btd, layer["mixer_norm"], eps, plus_one=True)
+        if "linear" in layer:
+            h_btd, _ = deltanet.linear_attention(layer["linear"], h_btd, n_key_heads=n_key_heads, eps=eps, chunk=chunk)
+        else:
+            h_btd = gated_attention(layer["attention"], h_btd, rotary_dim=rotary_dim, theta=theta, eps=eps)
+        x_btd = x_btd + h_btd
+        h_btd = rms_norm(x_btd, layer["mlp_norm"], eps, plus_one=True)
+        x_btd = x_btd + sparse_moe(layer["moe"], h_btd, experts_per_token=experts_per_token,
+                                   norm_topk_prob=norm_topk_prob)
+    return rms_norm(x_btd, params["final_norm"], eps, plus_one=True) @ params["unembed_dv"]
