@@ -2,7 +2,7 @@
 (tests/fixtures/gated_attention_layer.npz, made by tests/fixtures/make_hf_fixtures.py): per-head output
 gates, 1 + w q/k norms, rotary on a quarter of each head; q_proj's layout round trips bit for bit; and the
 whole decoder (`logits`: 3 gated DeltaNet layers, then a gated attention one, MoE with a gated shared
-expert) reads the qwen3_next fixture's checkpoint with logits equal to transformers'."""
+expert) reads the qwen3_next fixture's checkpoint with logits and 20 greedy tokens equal to transformers'."""
 
 import json
 from pathlib import Path
@@ -25,7 +25,7 @@ def test_gated_attention_layer_equals_transformers_and_its_layout_round_trips():
     p = {"wq_dhe": qg[..., :16], "wgate_dhe": qg[..., 16:], "q_norm": t["q_norm.weight"], "k_norm": t["k_norm.weight"],
          **{f"w{n}_dke": t[f"{n}_proj.weight"].T.reshape(32, 2, 16) for n in "kv"},
          "wo_hed": t["o_proj.weight"].T.reshape(4, 16, 32)}
-    out = qwen3_next.gated_attention(p, jnp.asarray(t["x"]), rotary_dim=4, theta=10000.0)
+    out, _ = qwen3_next.gated_attention(p, jnp.asarray(t["x"]), rotary_dim=4, theta=10000.0)
     np.testing.assert_allclose(out, t["out"], atol=1e-5, rtol=1e-5)
 
 
@@ -65,15 +65,27 @@ def checkpoint_params(get, cfg: dict) -> dict:
             "unembed_dv": get("lm_head.weight").T, "layers": layers}
 
 
-def test_decoder_logits_equal_transformers():
-    """The qwen3_next fixture (bfloat16 weights, computed in float32): 2 x 16 tokens."""
+def decoder():
     cfg = json.loads((MODEL / "config.json").read_text())
     reader = safetensors_io.Reader(sorted(MODEL.glob("*.safetensors")))
     params = checkpoint_params(lambda name: reader.get(name).astype(np.float32), cfg)
-    tokens = np.array(json.loads((MODEL / "reference.json").read_text())["tokens"], np.int32)
-    got = qwen3_next.logits(params, jnp.asarray(tokens), n_key_heads=cfg["linear_num_key_heads"],
-                            rotary_dim=int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]),
-                            theta=cfg["rope_parameters"]["rope_theta"], eps=cfg["rms_norm_eps"],
-                            experts_per_token=cfg["num_experts_per_tok"], norm_topk_prob=cfg["norm_topk_prob"], chunk=8)
+    shape = dict(n_key_heads=cfg["linear_num_key_heads"], theta=cfg["rope_parameters"]["rope_theta"],
+                 rotary_dim=int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]),
+                 eps=cfg["rms_norm_eps"], experts_per_token=cfg["num_experts_per_tok"],
+                 norm_topk_prob=cfg["norm_topk_prob"], chunk=8)
+    return params, shape, json.loads((MODEL / "reference.json").read_text())
+
+
+def test_decoder_logits_equal_transformers():
+    """The qwen3_next fixture (bfloat16 weights, computed in float32): 2 x 16 tokens in chunks of 8."""
+    params, shape, ref = decoder()
+    got, _ = qwen3_next.logits(params, jnp.asarray(ref["tokens"]), **shape)
     want = np.load(MODEL / "reference_logits.npy")
     assert np.abs(got - want).max() < 2e-4  # measured 9.2e-5 on logits up to 10.4 (float32, torch's order)
+
+
+def test_greedy_generation_through_the_layer_states_equals_transformers():
+    """20 tokens: the prompt's prefill, then each token through the DeltaNet layers' conv windows and
+    recurrent states and the attention layer's keys and values."""
+    params, shape, ref = decoder()
+    assert qwen3_next.greedy(params, ref["prompt_ids"], 20, **shape) == ref["new_ids"]
