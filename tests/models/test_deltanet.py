@@ -3,7 +3,8 @@
 gated_delta_rule.npz, made by tests/fixtures/make_hf_fixtures.py), generation's recurrent step
 after a chunked prefill, and itself sharded over heads on a 2x2x2 mesh; Qwen3-Next's whole linear
 attention layer (`linear_attention`) equals transformers' Qwen3NextGatedDeltaNet (tests/fixtures/
-gated_deltanet_layer.npz) and continues a sequence from its conv and recurrent states."""
+gated_deltanet_layer.npz), on one device and sharded over heads on 2x2x2, and continues a sequence
+from its conv and recurrent states."""
 
 from pathlib import Path
 
@@ -128,3 +129,14 @@ def test_linear_attention_continues_from_its_states_token_by_token():
     np.testing.assert_allclose(jnp.concatenate(outs, 1), want, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(states[0], conv_all)
     np.testing.assert_allclose(states[1], state_all, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_attention_layer_sharded_over_heads_equals_unsharded():
+    """The whole layer on data=2 x fsdp=2 x tensor=2: its 4 value heads' scans over tensor."""
+    cfg = config.load(None, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+    c = sharding.Constrain(cfg.rules, mesh_lib.make_mesh(cfg.mesh))
+    t = np.load(LAYER)
+    p, x = layer_params(t), jnp.tile(jnp.asarray(t["x"]), (2, 1, 1))
+    with jax.set_mesh(c.mesh):
+        got, _ = jax.jit(lambda p, x: deltanet.linear_attention(p, x, n_key_heads=2, chunk=16, constrain=c))(p, x)
+    np.testing.assert_allclose(got, jnp.tile(jnp.asarray(t["out"]), (2, 1, 1)), atol=1e-5, rtol=1e-5)
