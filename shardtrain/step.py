@@ -413,7 +413,7 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     tx = optim.make(cfg, layout.names)
     shardings = state_shardings(cfg, mesh, tx, layout)                                        # 2
     batch = batch_sharding(cfg, mesh)
-    pipelined = (schedules.loss_sums(cfg, mesh, schedule, layout.graphdef, functools.partial(head_loss, cfg))
+    pipelined = (schedules.loss_sums(cfg, mesh, schedule, layout, functools.partial(head_loss, cfg))
                  if run_blocks is None else None)
     loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder, pipelined)            # 3
     loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)

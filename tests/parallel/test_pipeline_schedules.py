@@ -50,6 +50,7 @@ P4_D2, P2_F2_T2 = ("mesh.pipeline=4", "mesh.data=2"), ("mesh.pipeline=2", "mesh.
     ("1f1b", P4_D2, ("train.pipeline.microbatches=4",)),
     ("1f1b", P2_F2_T2, ("train.pipeline.microbatches=4", "train.grad_accum_steps=2")),
     ("zero_bubble", P4_D2, ("train.pipeline.microbatches=2", "train.grad_accum_steps=2")),
+    ("1f1b", ("mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1"), ("train.pipeline.microbatches=4",)),
     ("interleaved_1f1b", P2_F2_T2, ("train.pipeline.microbatches=4", "train.pipeline.repeats=2",
                                     "train.grad_accum_steps=2")),
 ])
