@@ -209,7 +209,8 @@ def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fw
     blocks_graphdef = nnx.split(model_of(outer_c, group0).blocks)[0]
 
     def blocks_fn(group_blocks, x_btd, docs_bt):
-        return run_group(nnx.merge(blocks_graphdef, group_blocks), x_btd, **docs_bt)
+        out = run_group(nnx.merge(blocks_graphdef, group_blocks), x_btd, **docs_bt)
+        return out[0] if isinstance(out, tuple) else out  # an MoE's auxiliary losses: 0 (step.pipeline_schedule)
 
     x_aval = jax.eval_shape(embed, outer_c, data["inputs"][0])
     docs0 = take(data["docs"], 0)

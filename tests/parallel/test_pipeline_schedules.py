@@ -61,6 +61,25 @@ def test_schedule_matches_plain(gpt_reference, schedule, mesh_overrides, extra):
     assert_step_matches(gpt_reference, prog)
 
 
+MOE = ["model.n_layers=4", "model.moe.n_experts=4", "model.moe.experts_per_token=2", "model.moe.router_aux_loss_coef=0",
+       "model.moe.router_z_loss_coef=0", "train.global_batch_size=16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_moe_stages_with_expert_parallelism_match_plain(schedule):
+    """MoE blocks inside the stages, their experts split over `expert` (the dispatch's all-to-all
+    inside each stage), on pipeline 2 x expert 2 x data 2: the plain step's loss and gradients."""
+    plain = build("gpt", *MOE, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", n_devices=1)
+    params = jax.device_get(plain.init(0)["params"])
+    tokens_bt = np.asarray(jax.random.randint(jax.random.key(1), (16, 17), 0, plain.cfg.model.vocab_size))
+    losses, grads = plain.loss_and_grads(params, tokens_bt)
+    reference = params, tokens_bt, float(losses["loss"]), jax.device_get(grads)
+    assert_step_matches(reference, build("gpt", *MOE, "mesh.pipeline=2", "mesh.expert=2", "mesh.data=2", "mesh.fsdp=1",
+                                         "mesh.tensor=1", f"train.pipeline.schedule={schedule}",
+                                         "train.pipeline.microbatches=4"))
+
+
 def assert_dependencies_hold(table: tt.Timetable, stages: int, repeats: int, split: bool):
     """Every operation runs after what it needs (module docstring of timetable.py), each once."""
     last, done = stages * repeats - 1, {}
@@ -165,6 +184,13 @@ def test_bad_combinations_are_one_line_errors():
               "train.pipeline.repeats=2", "train.pipeline.microbatches=6")
     with pytest.raises(ConfigError, match=r"n_layers=8 .*mesh.pipeline=4 stages x train.pipeline.repeats=4"):
         build("mlp", *P4_D2, "train.pipeline.schedule=interleaved_1f1b", "train.pipeline.repeats=4")
+    moe_mesh = [*MOE, "mesh.pipeline=2", "mesh.expert=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
+    with pytest.raises(ConfigError, match=r"train.pipeline.schedule=gpipe does not combine with MoE"):
+        build("gpt", *moe_mesh)
+    with pytest.raises(ConfigError, match=r"schedule=1f1b with MoE needs model.moe.router_aux_loss_coef=0"):
+        build("gpt", *moe_mesh, "train.pipeline.schedule=1f1b", "model.moe.router_aux_loss_coef=0.01")
+    with pytest.raises(ConfigError, match=r"does not combine with context parallelism .* ring attention"):
+        build("gpt", *P4_D2[:1], "mesh.context=2", "train.pipeline.schedule=1f1b")
     with pytest.raises(ConfigError, match=r"train.pipeline.schedule=zero_bubble does not combine with "
                                           r"train.comm.grad_reduce_dtype"):
         build("mlp", *P4_D2, "train.pipeline.schedule=zero_bubble", "train.comm.grad_reduce_dtype=bfloat16")
