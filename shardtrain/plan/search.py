@@ -97,14 +97,15 @@ where GPipe holds all M, zero-bubble also moves the weight gradients into the bu
 interleaved schedule is tried where train.pipeline.repeats > 1 (the config's choice of repeats)."""
 
 
-def pipeline_choices(cfg: RunConfig, sizes: dict[str, int]) -> list[tuple[int | None, str | None]]:
+def pipeline_choices(cfg: RunConfig, sizes: dict[str, int], schedules: tuple[str, ...] = SEARCHED_SCHEDULES
+                     ) -> list[tuple[int | None, str | None]]:
     """(micro-batches, schedule) pairs to try for the mesh `sizes`: each of `microbatch_counts` with
-    the configured schedule and SEARCHED_SCHEDULES; [(None, None)] without a pipeline."""
+    the configured schedule and `schedules`; [(None, None)] without a pipeline."""
     counts = microbatch_counts(cfg, sizes)
     if counts == [None]:
         return [(None, None)]
-    interleaved = ("interleaved_1f1b",) if cfg.train.pipeline.repeats > 1 else ()
-    names = dict.fromkeys((cfg.train.pipeline.schedule, *SEARCHED_SCHEDULES, *interleaved))
+    interleaved = ("interleaved_1f1b",) if schedules and cfg.train.pipeline.repeats > 1 else ()
+    names = dict.fromkeys((cfg.train.pipeline.schedule, *schedules, *interleaved))
     return [(m, name) for m in counts for name in names]
 
 
@@ -145,10 +146,11 @@ class Row:
 
 
 def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | None = None,
-           require_fit: bool = True) -> dict:
+           require_fit: bool = True, schedules: tuple[str, ...] = SEARCHED_SCHEDULES) -> dict:
     """Plans every valid mesh of len(devices) devices; returns {'rows': ranked rows, 'rejected': ...}.
     `require_fit`: raise a ConfigError saying what would fit when no mesh does (tune.py, which may
-    still make one fit, asks for the ranking anyway)."""
+    still make one fit, asks for the ranking anyway). `schedules`: the pipeline schedules tried beside
+    the configured one (`pipeline_choices`)."""
     n = len(devices)
     limit = planner.per_device(chip, n).hbm_bytes
     rows, rejected, todo = [], [], []
@@ -157,7 +159,7 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
     for sizes, dcn in meshes:
         reasons = []
         total = {a: sizes[a] * (dcn or {}).get(a, 1) for a in MESH_AXES}
-        for m, schedule in pipeline_choices(cfg, total):
+        for m, schedule in pipeline_choices(cfg, total, schedules):
             try:
                 c = candidate(cfg, sizes, m, dcn, schedule)
                 prog = step_lib.build(c, mesh_lib.make_mesh(c.mesh, devices))

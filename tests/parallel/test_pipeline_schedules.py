@@ -66,17 +66,17 @@ MOE = ["model.n_layers=4", "model.moe.n_experts=4", "model.moe.experts_per_token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_moe_stages_with_expert_parallelism_match_plain(schedule):
+def test_moe_stages_with_expert_parallelism_match_plain():
     """MoE blocks inside the stages, their experts split over `expert` (the dispatch's all-to-all
-    inside each stage), on pipeline 2 x expert 2 x data 2: the plain step's loss and gradients."""
+    inside each stage), on pipeline 2 x expert 2 x data 2: the plain step's loss and gradients.
+    (zero_bubble passes too, 22 s; left out for time.)"""
     plain = build("gpt", *MOE, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", n_devices=1)
     params = jax.device_get(plain.init(0)["params"])
     tokens_bt = np.asarray(jax.random.randint(jax.random.key(1), (16, 17), 0, plain.cfg.model.vocab_size))
     losses, grads = plain.loss_and_grads(params, tokens_bt)
     reference = params, tokens_bt, float(losses["loss"]), jax.device_get(grads)
     assert_step_matches(reference, build("gpt", *MOE, "mesh.pipeline=2", "mesh.expert=2", "mesh.data=2", "mesh.fsdp=1",
-                                         "mesh.tensor=1", f"train.pipeline.schedule={schedule}",
+                                         "mesh.tensor=1", "train.pipeline.schedule=1f1b",
                                          "train.pipeline.microbatches=4"))
 
 
