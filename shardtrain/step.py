@@ -160,10 +160,21 @@ def pipeline_schedule(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain)
     errors name layers, stages, repeats), else None."""
     if mesh.shape["pipeline"] == 1:
         return None
-    if cfg.model.moe.n_experts > 1 or constrain.size("seq") > 1:
-        raise ConfigError("mesh.pipeline > 1 does not combine with MoE (model.moe.n_experts > 1) or context "
-                          "parallelism (mesh.context > 1) yet; use mesh.pipeline=1")
+    if constrain.size("seq") > 1:
+        raise ConfigError("mesh.pipeline > 1 does not combine with context parallelism (mesh.context > 1) yet: the "
+                          "ring attention's shard_map reorders each sequence across devices, which the stages' "
+                          "micro-batches do not follow; use mesh.pipeline=1 or mesh.context=1")
     schedule = pipeline.check(cfg, mesh)
+    moe = cfg.model.moe
+    if moe.n_experts > 1 and not schedule.explicit:
+        raise ConfigError(f"train.pipeline.schedule={schedule.name} does not combine with MoE (model.moe.n_experts "
+                          "> 1): its autodiff through the stage loop drops the router's auxiliary losses; use "
+                          "train.pipeline.schedule=1f1b, interleaved_1f1b or zero_bubble")
+    if moe.n_experts > 1 and (moe.router == "sigmoid" or moe.router_aux_loss_coef or moe.router_z_loss_coef):
+        raise ConfigError(f"train.pipeline.schedule={schedule.name} with MoE needs model.moe.router_aux_loss_coef=0, "
+                          "model.moe.router_z_loss_coef=0 and not model.moe.router=sigmoid for now: the schedule runs "
+                          "micro-batch by micro-batch and returns no auxiliary losses or router loads (they are batch "
+                          "statistics)")
     if schedule.explicit and comm.enabled(cfg):
         raise ConfigError(f"train.pipeline.schedule={schedule.name} does not combine with train.comm.grad_reduce_dtype "
                           "/ train.comm.sync (compressed reduction, local SGD) yet: comm.py differentiates each "
@@ -413,7 +424,7 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
     tx = optim.make(cfg, layout.names)
     shardings = state_shardings(cfg, mesh, tx, layout)                                        # 2
     batch = batch_sharding(cfg, mesh)
-    pipelined = (schedules.loss_sums(cfg, mesh, schedule, layout.graphdef, functools.partial(head_loss, cfg))
+    pipelined = (schedules.loss_sums(cfg, mesh, schedule, layout, functools.partial(head_loss, cfg))
                  if run_blocks is None else None)
     loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder, pipelined)            # 3
     loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)

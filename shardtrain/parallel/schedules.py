@@ -118,10 +118,11 @@ class _WeightSplit:
         return jax.tree.unflatten(self.d_params_tree, d_params)
 
 
-def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef, head_loss):
+def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, layout: sharding.ParamLayout, head_loss):
     """(params, inputs_bt, targets_bt, weights_bt, docs) -> the summed weighted token loss, its
     gradient by `schedule`'s timetable (module docstring). `head_loss(model, x_btd, targets_bt,
     weights_bt, one_hot)`: the loss of the model's head on the blocks' output (step.head_loss)."""
+    graphdef = layout.graphdef
     stages, v, m_count = schedule.stages, schedule.repeats, schedule.microbatches
     table = tt.timetable(schedule.name, stages, m_count, v)
     group, last = cfg.model.n_layers // (stages * v), stages * v - 1
@@ -133,6 +134,17 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef, head_loss):
     fwd_ring = [(i, (i + 1) % stages) for i in range(stages)]
     bwd_ring = [((i + 1) % stages, i) for i in range(stages)]
 
+    constrain = sharding.Constrain(cfg.rules, mesh)
+    batch_split = sum(mesh.shape[a] > 1 for a in sharding.mesh_axes(batch_axes))
+
+    def lookup_tables(outer):
+        """The embedding table whole along d_model (its vocabulary split as before) where the batch is
+        split over several mesh axes: from a table split along d_model over fsdp, with the tokens
+        split over data x fsdp, XLA's SPMD partitioner aborts on the lookup's gather inside the
+        shard_map (`Check failed: partition_group_list.num_replica_groups() * ...`, jax 0.12, CPU)."""
+        return {k: constrain(w, ("vocab", None)) if batch_split > 1 and layout.names[k][:1] == ("vocab",) else w
+                for k, w in outer.items()}
+
     def micro(x_b):  # (B, ...) -> (M, B/M, ...): micro-batch m = rows i M + m, each device's rows stay local
         b = x_b.shape[0]
         x_mb = x_b.reshape(b // m_count, m_count, *x_b.shape[1:]).swapaxes(0, 1)
@@ -141,6 +153,7 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, graphdef, head_loss):
     def schedule_grads(params, inputs_bt, targets_bt, weights_bt, docs):
         """(loss sum, gradients of params) by the timetable."""
         blocks, outer = params["blocks"], {k: w for k, w in params.items() if k != "blocks"}
+        outer = lookup_tables(outer)
         # (L, ...) -> (P, v, Lg, ...): stage p holds groups r P + p
         staged = jax.tree.map(lambda w: w.reshape(v, stages, group, *w.shape[1:]).swapaxes(0, 1), blocks)
         data = {"inputs": micro(inputs_bt), "targets": micro(targets_bt), "weights": micro(weights_bt),
@@ -196,7 +209,8 @@ def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fw
     blocks_graphdef = nnx.split(model_of(outer_c, group0).blocks)[0]
 
     def blocks_fn(group_blocks, x_btd, docs_bt):
-        return run_group(nnx.merge(blocks_graphdef, group_blocks), x_btd, **docs_bt)
+        out = run_group(nnx.merge(blocks_graphdef, group_blocks), x_btd, **docs_bt)
+        return out[0] if isinstance(out, tuple) else out  # an MoE's auxiliary losses: 0 (step.pipeline_schedule)
 
     x_aval = jax.eval_shape(embed, outer_c, data["inputs"][0])
     docs0 = take(data["docs"], 0)

@@ -1,5 +1,5 @@
-"""`shardtrain plan --search`: every data x pipeline x fsdp x tensor mesh of N devices (and
-micro-batch counts for pipelines), ranked by the planner's estimated step time. The `expert` axis
+"""`shardtrain plan --search`: every data x pipeline x fsdp x tensor mesh of N devices (and for
+pipelines, micro-batch counts and schedules), ranked by the planner's estimated step time. The `expert` axis
 joins them for an MoE model (sizes dividing model.moe.n_experts), `context` for sequences long enough
 to split (each device keeps 2 chunks of at least CONTEXT_MIN_CHUNK tokens). Across slices (a TPU
 multi-slice topology, or a config whose mesh.dcn joins hosts) every split of the slices over data,
@@ -91,14 +91,39 @@ def microbatch_counts(cfg: RunConfig, sizes: dict[str, int]) -> list[int | None]
     return [m for m in valid if m != p or len(valid) == 1 or m == asked]
 
 
+SEARCHED_SCHEDULES = ("1f1b", "zero_bubble")
+"""Pipeline schedules tried beside the configured one: 1F1B holds about P micro-batches' activations
+where GPipe holds all M, zero-bubble also moves the weight gradients into the bubble. The
+interleaved schedule is tried where train.pipeline.repeats > 1 (the config's choice of repeats)."""
+
+
+def pipeline_choices(cfg: RunConfig, sizes: dict[str, int], schedules: tuple[str, ...] = SEARCHED_SCHEDULES
+                     ) -> list[tuple[int | None, str | None]]:
+    """(micro-batches, schedule) pairs to try for the mesh `sizes`: each of `microbatch_counts` with
+    the configured schedule and `schedules`; [(None, None)] without a pipeline."""
+    counts = microbatch_counts(cfg, sizes)
+    if counts == [None]:
+        return [(None, None)]
+    interleaved = ("interleaved_1f1b",) if schedules and cfg.train.pipeline.repeats > 1 else ()
+    names = dict.fromkeys((cfg.train.pipeline.schedule, *schedules, *interleaved))
+    return [(m, name) for m in counts for name in names]
+
+
 def candidate(cfg: RunConfig, sizes: dict[str, int], microbatches: int | None,
-              dcn: dict[str, int] | None = None) -> RunConfig:
-    """cfg with the mesh `sizes` (per slice when `dcn` splits axes across slices)."""
-    pipe = dataclasses.replace(cfg.train.pipeline, microbatches=microbatches)
-    train = dataclasses.replace(cfg.train, pipeline=pipe) if microbatches else cfg.train
+              dcn: dict[str, int] | None = None, schedule: str | None = None) -> RunConfig:
+    """cfg with the mesh `sizes` (per slice when `dcn` splits axes across slices), and for a pipeline
+    `microbatches` and `schedule` (None: the configured ones)."""
+    pipe = dataclasses.replace(cfg.train.pipeline, microbatches=microbatches or cfg.train.pipeline.microbatches,
+                               schedule=schedule or cfg.train.pipeline.schedule)
+    train = dataclasses.replace(cfg.train, pipeline=pipe)
     new = dataclasses.replace(cfg, mesh=MeshConfig(**sizes, dcn=DcnConfig(**(dcn or {}))), train=train)
     validate(new)
     return new
+
+
+def config_of(cfg: RunConfig, row: dict) -> RunConfig:
+    """The config of a search row (`Row.as_dict()`, or a tuned candidate's dict)."""
+    return candidate(cfg, row["mesh"], row["microbatches"], row["dcn"], row.get("schedule"))
 
 
 @dataclasses.dataclass
@@ -111,17 +136,21 @@ class Row:
     state_bytes: int | None = None
     dcn: dict | None = None
     """Sizes across slices (multi-slice targets); `mesh` is then per slice."""
+    schedule: str | None = None
+    """train.pipeline.schedule of a pipeline's row; None without a pipeline."""
 
     def as_dict(self) -> dict:
-        return {"mesh": self.mesh, "dcn": self.dcn, "microbatches": self.microbatches, "status": self.status,
+        return {"mesh": self.mesh, "dcn": self.dcn, "microbatches": self.microbatches, "schedule": self.schedule,
+                "status": self.status,
                 "state_bytes_per_device": self.state_bytes, "report": self.report}
 
 
 def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | None = None,
-           require_fit: bool = True) -> dict:
+           require_fit: bool = True, schedules: tuple[str, ...] = SEARCHED_SCHEDULES) -> dict:
     """Plans every valid mesh of len(devices) devices; returns {'rows': ranked rows, 'rejected': ...}.
     `require_fit`: raise a ConfigError saying what would fit when no mesh does (tune.py, which may
-    still make one fit, asks for the ranking anyway)."""
+    still make one fit, asks for the ranking anyway). `schedules`: the pipeline schedules tried beside
+    the configured one (`pipeline_choices`)."""
     n = len(devices)
     limit = planner.per_device(chip, n).hbm_bytes
     rows, rejected, todo = [], [], []
@@ -130,18 +159,18 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
     for sizes, dcn in meshes:
         reasons = []
         total = {a: sizes[a] * (dcn or {}).get(a, 1) for a in MESH_AXES}
-        for m in microbatch_counts(cfg, total):
+        for m, schedule in pipeline_choices(cfg, total, schedules):
             try:
-                c = candidate(cfg, sizes, m, dcn)
+                c = candidate(cfg, sizes, m, dcn, schedule)
                 prog = step_lib.build(c, mesh_lib.make_mesh(c.mesh, devices))
             except ConfigError as e:
                 reasons.append(str(e))
                 continue
             except Exception as e:  # e.g. a pipeline module missing or failing: report, go on
-                rows.append(Row(sizes, m, f"not built: {type(e).__name__}: {str(e)[:200]}", dcn=dcn))
+                rows.append(Row(sizes, m, f"not built: {type(e).__name__}: {str(e)[:200]}", dcn=dcn, schedule=schedule))
                 continue
             state = sharding.shard_bytes(prog.abstract_state)
-            row = Row(sizes, m, "ranked", state_bytes=state, dcn=dcn)
+            row = Row(sizes, m, "ranked", state_bytes=state, dcn=dcn, schedule=schedule)
             rows.append(row)
             if state > limit:
                 row.status = "no fit (state)"
@@ -225,7 +254,7 @@ def format_table(result: dict) -> str:
              f"(memory limit {planner.gib(result['memory_limit_bytes'])} per device); "
              f"{len(result['rejected'])} factorisations rejected by the model's dimensions", head]
     for i, row in enumerate(result["rows"], 1):
-        label = label_of(row) + (f" M={row['microbatches']}" if row["microbatches"] else "")
+        label = label_of(row) + (f" {row['schedule']} M={row['microbatches']}" if row["microbatches"] else "")
         r = row["report"]
         if r is None:
             state = planner.gib(row["state_bytes_per_device"]) if row["state_bytes_per_device"] else "-"
@@ -254,7 +283,7 @@ def write_best(cfg: RunConfig, result: dict, path: str) -> None:
     best = next((r for r in result["rows"] if r["report"] and r["report"]["fits"]), None)
     if best is None:
         raise ConfigError("--write: no mesh fits, nothing to write")
-    write_config(candidate(cfg, best["mesh"], best["microbatches"], best["dcn"]), path,
+    write_config(config_of(cfg, best), path,
                  f"{result['devices']} devices, {result['chip']}: estimated "
                  f"{best['report']['estimate']['step_time_s'] * 1e3:.2f} ms/step")
 

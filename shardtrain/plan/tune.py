@@ -94,6 +94,7 @@ class Candidate:
     def as_dict(self) -> dict:
         r = self.report
         return {"mesh": self.row["mesh"], "dcn": self.row["dcn"], "microbatches": self.row["microbatches"],
+                "schedule": self.row.get("schedule"),
                 **dataclasses.asdict(self.knobs), "predicted_step_s": self.predicted_step_s,
                 "predicted_bytes": self.predicted_bytes, "status": self.status,
                 "fits": None if r is None else r["fits"],
@@ -135,7 +136,7 @@ def candidates(cfg: RunConfig, rows: list[dict], chip: chips_lib.Chip) -> list[C
     """Every knob setting of the best MESHES_TUNED compiled meshes, in predicted order."""
     out = []
     for row in [r for r in rows if r["report"]][:MESHES_TUNED]:
-        mesh_cfg = search.candidate(cfg, row["mesh"], row["microbatches"], row["dcn"])
+        mesh_cfg = search.config_of(cfg, row)
         rows_per_micro = row["mesh"]["data"] * row["mesh"]["fsdp"] * (row["dcn"] or {}).get("data", 1) * (
             row["dcn"] or {}).get("fsdp", 1)
         for remat in REMAT_LADDER:
@@ -178,12 +179,14 @@ def tune(cfg: RunConfig, ranked: dict, devices: list, chip: chips_lib.Chip, budg
         jobs = []
         for c in batch:
             try:
-                c_cfg = with_knobs(search.candidate(cfg, c.row["mesh"], c.row["microbatches"], c.row["dcn"]), c.knobs)
+                c_cfg = with_knobs(search.config_of(cfg, c.row), c.knobs)
                 prog = step_lib.build(c_cfg, mesh_lib.make_mesh(c_cfg.mesh, devices))
             except ConfigError as e:
                 c.status = f"not built: {e}"
                 continue
-            jobs.append((search.Row(c.row["mesh"], c.row["microbatches"], "ranked", dcn=c.row["dcn"]), prog, c))
+            row = search.Row(c.row["mesh"], c.row["microbatches"], "ranked", dcn=c.row["dcn"],
+                             schedule=c.row.get("schedule"))
+            jobs.append((row, prog, c))
         search.compile_all([(row, prog) for row, prog, _ in jobs], devices[0].platform, chip, workers, quiet=True)
         for row, _, c in jobs:
             compiles += 1
@@ -207,13 +210,13 @@ def best_config(cfg: RunConfig, ranked: dict, tuned: dict) -> tuple[RunConfig, d
     if tuned["best"] is not None:
         c = tuned["candidates"][tuned["best"]]
         knobs = Knobs(c["remat"], c["offload"], c["accum"])
-        return with_knobs(search.candidate(cfg, c["mesh"], c["microbatches"], c["dcn"]), knobs), c
+        return with_knobs(search.config_of(cfg, c), knobs), c
     row = next((r for r in ranked["rows"] if r["report"] and r["report"]["fits"]), None)
     if row is None:
         raise ConfigError(f"no mesh and no remat / offload / accumulation setting of {cfg.model.name} fits "
                           f"{planner.gib(ranked['memory_limit_bytes'])} per device ({ranked['chip']})")
     r = row["report"]
-    return search.candidate(cfg, row["mesh"], row["microbatches"], row["dcn"]), {
+    return search.config_of(cfg, row), {
         "mesh": row["mesh"], "dcn": row["dcn"], **dataclasses.asdict(knobs_of(cfg)),
         "step_time_s": r["estimate"]["step_time_s"], "memory_bytes": r["memory_per_device_bytes"]["total"],
         "margin_bytes": r["margin_bytes"]}

@@ -51,9 +51,10 @@ def test_search_ranks_every_factorisation_once_and_its_top_row_trains(tmp_path):
     # per-device totals of this MLP are 150-250 KB with fsdp x tensor >= 4, more with data >= 4; data=8
     # holds the whole state (295 KB) and is pruned before compiling
     limit = 250_000
-    result = search.search(cfg, jax.devices(), planner.pick_chip("cpu", jax.devices(), memory_limit=limit))
-    seen = [(tuple(r["mesh"][a] for a in config.MESH_AXES), r["microbatches"]) for r in result["rows"]]
-    seen += [(tuple(r["mesh"][a] for a in config.MESH_AXES), None) for r in result["rejected"]]
+    result = search.search(cfg, jax.devices(), planner.pick_chip("cpu", jax.devices(), memory_limit=limit),
+                           schedules=())  # the configured schedule only: the next test tries the others
+    seen = [(tuple(r["mesh"][a] for a in config.MESH_AXES), r["microbatches"], r["schedule"]) for r in result["rows"]]
+    seen += [(tuple(r["mesh"][a] for a in config.MESH_AXES), None, None) for r in result["rejected"]]
     assert len(seen) == len(set(seen))
     assert {s[0] for s in seen} == {tuple(m[a] for a in config.MESH_AXES) for m in search.factorisations(8)}
     plain = [r for r in result["rows"] if r["mesh"]["pipeline"] == 1]
@@ -76,6 +77,25 @@ def test_search_ranks_every_factorisation_once_and_its_top_row_trains(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "best" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+
+
+@pytest.mark.slow
+def test_search_tries_each_pipeline_schedule_at_each_micro_batch_count():
+    """A pipeline mesh is planned under the configured schedule (gpipe), 1f1b and zero_bubble at each
+    micro-batch count; the compiled 1f1b program holds fewer activations than gpipe's at M = 8 (2 of 8
+    micro-batches live), and a row's config carries its schedule and M."""
+    cfg = config.load(None, [*TINY, "model.name=mlp", "train.global_batch_size=16"])
+    rows = search.search(cfg, *planner.target(cfg, 2, chip="cpu"))["rows"]
+    piped = {(r["schedule"], r["microbatches"]): r for r in rows if r["mesh"]["pipeline"] == 2}
+    assert set(piped) == {(s, m) for s in ("gpipe", "1f1b", "zero_bubble") for m in (4, 8)}
+    assert all(r["schedule"] is None for r in rows if r["mesh"]["pipeline"] == 1)
+    temp = {k: r["report"]["memory_per_device_bytes"]["temp"] for k, r in piped.items()}
+    assert temp[("1f1b", 8)] < 0.5 * temp[("gpipe", 8)] and temp[("1f1b", 8)] < temp[("1f1b", 4)], temp
+    chosen = search.config_of(cfg, piped[("zero_bubble", 8)])
+    assert (chosen.train.pipeline.schedule, chosen.train.pipeline.microbatches, chosen.mesh.pipeline) == (
+        "zero_bubble", 8, 2)
+    assert "1x2x1x1 zero_bubble M=8" in search.format_table({"rows": rows, "rejected": [], "devices": 2,
+                                                             "chip": "cpu", "memory_limit_bytes": 1})
 
 
 @pytest.mark.slow
