@@ -93,6 +93,8 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
     if impl == "xla" and (softcap is not None or sinks_h is not None):
         return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, chunk=None, window=window, scale=scale, softcap=softcap,
                        sinks_h=sinks_h)
+    if impl == "cudnn" and constrain is not None and jax.sharding.get_abstract_mesh().manual_axes:
+        return cudnn_per_shard(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, window=window, scale=scale)
     if impl == "xla" or impl == "cudnn":
         mask = None
         if segment_ids_bt is not None:
@@ -104,6 +106,24 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
                        sinks_h=sinks_h)
     return splash(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, interpret=platform != "tpu",
                   window=window, scale=scale, softcap=softcap, sinks_h=sinks_h)
+
+
+def cudnn_per_shard(q_bthe, k_btke, v_btke, segment_ids_bt, *, constrain, window, scale):
+    """cuDNN attention on each device's shards (batch, key heads), for a partly manual shard_map (the
+    pipeline's), where XLA:GPU's custom partitioner of cuDNN attention cannot read the shardings."""
+    b, t, h, e = q_bthe.shape
+    k_heads = k_btke.shape[2]
+    seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
+
+    def local(shard, q_btkge, k_btke, v_btke, seg_bt):
+        mask = (seg_bt[:, :, None] == seg_bt[:, None, :])[:, None]  # (B, 1, T, T)
+        q = q_btkge.reshape(*q_btkge.shape[:2], -1, e)
+        o = jax.nn.dot_product_attention(q, k_btke, v_btke, mask=mask, is_causal=True, implementation="cudnn",
+                                         scale=scale, local_window_size=None if window is None else (window - 1, 0))
+        return o.reshape(q_btkge.shape)
+    names_q, names_kv = ("batch", None, "kv_heads", None, None), ("batch", None, "kv_heads", None)
+    run = constrain.shard_map(local, (names_q, names_kv, names_kv, ("batch", None)), names_q)
+    return run(q_bthe.reshape(b, t, k_heads, h // k_heads, e), k_btke, v_btke, seg_bt).reshape(b, t, h, e)
 
 
 def chunk_segments(segment_ids_bt, positions_bt, bt, chunk: int):

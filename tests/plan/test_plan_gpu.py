@@ -72,6 +72,19 @@ def test_cudnn_fused_attention_is_read_from_the_gpu_program():
     assert r["flops_per_device"] > 0 and r["bytes_accessed_per_device"] > 0  # from the HLO: no cost analysis
 
 
+def test_cudnn_fused_attention_runs_inside_a_pipeline_schedule():
+    """Inside the pipeline's shard_map (manual over `pipeline`; every schedule's) cuDNN attention runs on each
+    device's shards: XLA:GPU's custom partitioner of it cannot read a partly manual sharding (it failed to
+    compile)."""
+    cfg = config.load(None, [*TINY, "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2", "data.seq_len=128",
+                             "model.n_layers=4", "model.attention=cudnn", "train.compute_dtype=bfloat16",
+                             "mesh.fsdp=4", "mesh.pipeline=2", "train.pipeline.schedule=1f1b",
+                             "train.pipeline.microbatches=2", "hardware.chip=h100"])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, planner.target(cfg, 8)[0]))
+    compiled, _ = planner.compile_program(prog)
+    assert "__cudnn$fmha" in compiled.as_text()
+
+
 def test_two_nodes_put_the_dcn_axis_across_nodes_at_inter_node_bandwidth():
     cfg = config.load(None, [*SMALL, "data.seq_len=128", "mesh.fsdp=8", "mesh.dcn.data=2", "hardware.chip=h100"])
     devices, chip = planner.target(cfg, 16, topology_flag="2x8")
