@@ -64,10 +64,10 @@ def test_build_traces_the_model_once_and_makes_one_optimizer(calls):
 
 def test_schedule_is_made_once_and_read_by_loop_and_planner(calls):
     prog = build("mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2")
-    assert prog.schedule == (2, 1, 4)  # the largest M <= 4 x 2 stages dividing the 8 / 2 fsdp rows
+    assert prog.schedule == (2, 1, 4, "gpipe")  # the largest M <= 4 x 2 stages dividing the 8 / 2 fsdp rows
     assert "pipeline gpipe, 2 stages, 4 micro-batches" in loop.mode_line(prog)
     assert planner.pipeline_schedule(prog) == {"schedule": "gpipe", "stages": 2, "microbatches": 4, "repeats": 1,
-                                            "bubble_fraction": pytest.approx(1 / 5)}
+                                            "bubble_fraction": pytest.approx(1 / 5), "live_microbatches": 4}
     assert calls["microbatches"] == 1 and calls["model"] == 1
 
 

@@ -29,7 +29,8 @@ def check(resumed: dict, *overrides) -> list[str]:
 @pytest.mark.parametrize("before, after, named", [
     ([], ["model.activation=gelu_tanh"], "the model's function: model.activation silu -> gelu_tanh"),
     ([], ["model.rope_theta=500"], "the model's function: model.rope_theta 10000.0 -> 500.0"),
-    ([], ["model.rope_scaling={type: linear, factor: 2}"], "model.rope_scaling None -> {'factor': 2.0, "),
+    ([], ["model.rope_scaling={type: linear, factor: 2}"],
+     "model.rope_scaling None -> {'attention_factor': None, 'beta_fast': 32.0, 'beta_slow': 1.0, 'factor': 2.0, "),
     (["model.rope_scaling={type: linear, factor: 2}"], ["model.rope_scaling={type: linear, factor: 4}"],
      "model.rope_scaling.factor 2.0 -> 4.0"),
     ([], ["model.norm_position=pre_post"], "model.norm_position pre -> pre_post"),
