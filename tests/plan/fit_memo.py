@@ -59,6 +59,8 @@ def memo_key(lowered_text: str) -> str:
     text = re.sub(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"', r'\1"callback"', lowered_text)
     text = re.sub(r'\\22body\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-body", text)
     text = re.sub(r'\\22debug_locations\\22: \\22[A-Za-z0-9+/=]*\\22', "pallas-locations", text)  # source paths
+    # Mosaic GPU kernels (the MoE's grouped GEMM) embed their module, with its source paths, and its hash
+    text = re.sub(r'(kernel_hash|module) = "(?:[^"\\]|\\.)*"', r'\1 = "mosaic-gpu"', text)
     plan_dir = Path(planner.__file__).parent  # the code that reads figures off a compiled program (not the search's)
     readers = [plan_dir / "planner.py", plan_dir / "topology.py", *sorted((plan_dir / "hlo").glob("*.py")),
                Path(chips.__file__)]
