@@ -115,11 +115,9 @@ def cudnn_per_shard(q_bthe, k_btke, v_btke, segment_ids_bt, *, constrain, window
     k_heads = k_btke.shape[2]
     seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
 
-    def local(shard, q_btkge, k_btke, v_btke, seg_bt):
-        mask = (seg_bt[:, :, None] == seg_bt[:, None, :])[:, None]  # (B, 1, T, T)
-        q = q_btkge.reshape(*q_btkge.shape[:2], -1, e)
-        o = jax.nn.dot_product_attention(q, k_btke, v_btke, mask=mask, is_causal=True, implementation="cudnn",
-                                         scale=scale, local_window_size=None if window is None else (window - 1, 0))
+    def local(shard, q_btkge, k_btke, v_btke, seg_bt):  # attend's own cuDNN call, on local shapes
+        o = attend(q_btkge.reshape(*q_btkge.shape[:2], -1, e), k_btke, v_btke, segment_ids_bt=seg_bt, impl="cudnn",
+                   window=window, scale=scale)
         return o.reshape(q_btkge.shape)
     names_q, names_kv = ("batch", None, "kv_heads", None, None), ("batch", None, "kv_heads", None)
     run = constrain.shard_map(local, (names_q, names_kv, names_kv, ("batch", None)), names_q)
