@@ -115,19 +115,28 @@ def sequence_logps_fn(cfg: RunConfig, graphdef, run_blocks: Callable) -> Callabl
 
 def loss_fn(cfg: RunConfig, sequence_logps: Callable, constrain) -> Callable:
     """(params, reference or None, batch) -> (objective, logged values): the mean pair loss plus any
-    auxiliary loss the model reports; chosen and rejected go through the model as one (2B, T+1) batch."""
+    auxiliary loss the model reports. Chosen and rejected go through the model as one (2B, T+1) batch
+    with each pair's two rows side by side, so a pair's log-probs meet on its own shard: no collective
+    joins them (on XLA:CPU one independent of the forward pass can deadlock the devices' rendezvous)."""
+    def interleave(c, r):
+        return jnp.stack([c, r], axis=1).reshape(-1, *c.shape[1:])
+
+    def split(v):  # (2B,) -> chosen (B,), rejected (B,)
+        pairs = v.reshape(-1, 2)
+        return pairs[:, 0], pairs[:, 1]
+
     def loss(params, reference, batch):
-        tokens = constrain(jnp.concatenate([batch["chosen"], batch["rejected"]]), ("batch", None))  # (2B, T+1)
-        mask = constrain(jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]]), ("batch", None))
+        tokens = constrain(interleave(batch["chosen"], batch["rejected"]), ("batch", None))  # (2B, T+1)
+        mask = constrain(interleave(batch["chosen_mask"], batch["rejected_mask"]), ("batch", None))
         logp, n, aux = sequence_logps(params, tokens, mask)
         ref = (jnp.zeros_like(logp) if reference is None else
                jax.lax.stop_gradient(sequence_logps(jax.lax.stop_gradient(reference), tokens, mask)[0]))
-        b = batch["chosen"].shape[0]
-        pair_loss, r_c, r_r = pair_losses(cfg.dpo, logp[:b], logp[b:], ref[:b], ref[b:],
-                                          jnp.maximum(n[:b], 1.0), jnp.maximum(n[b:], 1.0))
+        (logp_c, logp_r), (ref_c, ref_r), (n_c, n_r) = split(logp), split(ref), split(n)
+        pair_loss, r_c, r_r = pair_losses(cfg.dpo, logp_c, logp_r, ref_c, ref_r,
+                                          jnp.maximum(n_c, 1.0), jnp.maximum(n_r, 1.0))
         values = {"loss": pair_loss.mean(), **aux, "reward_margin": (r_c - r_r).mean(),
                   "reward_accuracy": (r_c > r_r).astype(jnp.float32).mean(),
-                  "chosen_logp": logp[:b].mean(), "rejected_logp": logp[b:].mean()}
+                  "chosen_logp": logp_c.mean(), "rejected_logp": logp_r.mean()}
         return values["loss"] + sum(v for k, v in aux.items() if jnp.ndim(v) == 0), values
     return loss
 

@@ -116,6 +116,23 @@ def test_first_step_with_the_frozen_reference_gives_log_2():
                                                           jax.tree.leaves(state["reference"])))  # only params moved
 
 
+def test_reference_free_simpo_trains_on_2x2x2_with_each_pair_on_its_shard():
+    """A pair's chosen and rejected rows sit side by side on one shard: the compiled step moves no
+    row between devices (on XLA:CPU the collective-permutes that once paired them, independent of the
+    forward pass, deadlocked the devices' rendezvous), and two steps train."""
+    cfg = config.load(None, [*TINY, *CUBE, "dpo.loss=simpo", "dpo.reference=none", "dpo.beta=0.5"])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
+    assert "collective-permute" not in prog.lower().compile().as_text()
+    state, batch = prog.init(0), prog.device_batch(pair_batch())
+    losses = []
+    for _ in range(3):
+        state, values = prog.step(state, batch)
+        losses.append(float(values["loss"]))
+    policy, _ = models_and_params(CUBE)[3]  # numpy log-probs of the same seed's params
+    assert abs(losses[0] - numpy_values(cfg.dpo, policy, None)["loss"]) < 1e-5
+    assert losses[2] < losses[0]
+
+
 def test_lora_reference_is_the_base_model():
     """With LoRA the state holds no copy; the reference (adapters off) gives the base model's log-probs."""
     cfg = config.load(None, [*TINY, *CUBE, "model.lora.rank=4"])
