@@ -279,7 +279,8 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
     flops_by_dtype = hlo.matmul_flops_by_dtype(module)
     bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
-    colls = hlo.collectives(module, dict(mesh.shape))
+    colls = max((hlo.collectives(module, dict(mesh.shape), w) for w in branch_weights(prog)),  # the busiest stage
+                key=lambda cs: sum(c.traffic_bytes * c.count for c in cs))
     dcn_axes = {a for a in MESH_AXES if getattr(cfg.mesh.dcn, a) > 1} | mesh_lib.cross_granule_axes(mesh)
     if platform == "tpu" and dcn_axes:  # multi-slice: libtpu's cross-slice reductions
         slices = math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)

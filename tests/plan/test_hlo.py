@@ -91,6 +91,8 @@ def test_branch_weights_give_each_branch_its_share_of_a_conditionals_runs():
     runs = hlo.multipliers(module, branch_weights={2: (0.25, 0.75)})
     assert (runs["on"], runs["off"], runs["body"]) == (0.25, 0.75, 4)
     assert hlo.multipliers(module, branch_weights={3: (0.25, 0.5, 0.25)})["on"] == 1  # another branch count
+    weighted = hlo.collectives(module, MESH, branch_weights={2: (0.25, 0.75)})  # the branch's all-reduce too
+    assert [(c.computation, c.count) for c in weighted] == [("body", 4), ("on", 0.25)]
 
 
 def test_collectives_are_counted_per_run_and_attributed_to_the_axes_their_groups_span():

@@ -71,11 +71,13 @@ def ring_factor(kind: str, n: int) -> float:
     return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
 
 
-def collectives(program: str | Module, mesh_shape: dict[str, int]) -> list[Collective]:
+def collectives(program: str | Module, mesh_shape: dict[str, int],
+                branch_weights: dict[int, tuple[float, ...]] | None = None) -> list[Collective]:
     """Every collective of the optimized HLO (its text or the parsed Module), one entry per
-    instruction and kind."""
+    instruction and kind; one in a conditional's branch counts that branch's runs
+    (`branch_weights`: see `parse.multipliers`)."""
     module = as_module(program)
-    mult = multipliers(module)
+    mult = multipliers(module, branch_weights=branch_weights)
     tainted = _partition_scalars(module)
     n_devices = math.prod(mesh_shape.values())
     fused_in = {callee: name for name, comp in module.computations.items() for ins in comp if ins.opcode == "fusion"
@@ -307,6 +309,7 @@ def summarize(items: list[Collective]) -> dict[str, dict]:
         axes = "+".join(c.axes) or "none"
         if axes not in row["axes"]:
             row["axes"].append(axes)
-    for row in table.values():
+    for row in table.values():  # a branch's weighted runs are whole runs of a schedule's slots
+        row["count"] = round(row["count"])
         row["bytes"], row["traffic_bytes"] = int(row["bytes"]), int(row["traffic_bytes"])
     return dict(sorted(table.items()))
