@@ -145,6 +145,14 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, layout: sharding.ParamLayout
         return {k: constrain(w, ("vocab", None)) if batch_split > 1 and layout.names[k][:1] == ("vocab",) else w
                 for k, w in outer.items()}
 
+    def like_stage_weights(tree):
+        """A stage's block weights or their gradients, (..., Lg, ...) per leaf, split as the weights are
+        (FSDP, tensor). Left to propagation, the TPU compiler gathers a micro-batch's weight gradients
+        whole and all-reduces them."""
+        def one(names, w):
+            return constrain(w, (None,) * (w.ndim - len(names) + 1) + tuple(names[1:]))
+        return jax.tree.map(one, layout.names["blocks"], tree, is_leaf=lambda x: isinstance(x, tuple))
+
     def micro(x_b):  # (B, ...) -> (M, B/M, ...): micro-batch m = rows i M + m, each device's rows stay local
         b = x_b.shape[0]
         x_mb = x_b.reshape(b // m_count, m_count, *x_b.shape[1:]).swapaxes(0, 1)
@@ -160,7 +168,7 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, layout: sharding.ParamLayout
                 "docs": {k: micro(d) for k, d in docs.items()}}
         d_staged, d_outer, total = jax.shard_map(
             functools.partial(_run, table, graphdef, run_group, functools.partial(head_loss, one_hot=vocab_split),
-                              compute_dtype, split_w, fwd_ring, bwd_ring, last),
+                              compute_dtype, split_w, fwd_ring, bwd_ring, last, like_stage_weights),
             mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS), P(), P()), axis_names={AXIS},
             check_vma=False)(staged, outer, data)
         d_blocks = jax.tree.map(lambda g, w: g.swapaxes(0, 1).reshape(w.shape).astype(w.dtype), d_staged, blocks)
@@ -186,7 +194,7 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, layout: sharding.ParamLayout
 
 
 def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fwd_ring, bwd_ring, last,
-         staged, outer, data):
+         like_stage_weights, staged, outer, data):
     """One stage's part of the schedule (inside shard_map): (its blocks' gradients (1, v, Lg, ...),
     the embedding/head gradients summed over stages, the loss sum)."""
     staged = jax.tree.map(lambda w: w[0].astype(compute_dtype), staged)  # (v, Lg, ...) on this stage
@@ -208,7 +216,8 @@ def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fw
     group0 = take(staged, 0)
     blocks_graphdef = nnx.split(model_of(outer_c, group0).blocks)[0]
 
-    def blocks_fn(group_blocks, x_btd, docs_bt):
+    def blocks_fn(group_blocks, x_btd, docs_bt):  # constrained: so is the weights' cotangent
+        group_blocks = like_stage_weights(group_blocks)
         out = run_group(nnx.merge(blocks_graphdef, group_blocks), x_btd, **docs_bt)
         return out[0] if isinstance(out, tuple) else out  # an MoE's auxiliary losses: 0 (step.pipeline_schedule)
 
@@ -246,7 +255,7 @@ def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fw
         return run
 
     def add_group(d_staged, r, d_group):
-        return jax.tree.map(lambda a, b: a.at[r].add(b.astype(jnp.float32)), d_staged, d_group)
+        return like_stage_weights(jax.tree.map(lambda a, b: a.at[r].add(b.astype(jnp.float32)), d_staged, d_group))
 
     def backward(first):
         def run(r, m, x_in, ct_in, held, d_staged, d_outer, total):
@@ -303,7 +312,7 @@ def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fw
     buf = jnp.zeros((v, window, *x_aval.shape), x_aval.dtype)
     held_buf = [jnp.zeros((v, window, *a.shape), a.dtype) for a in held_avals]
     carry = (buf, buf, held_buf, x_zero, x_zero,
-             f32_zeros(staged), f32_zeros(outer), jnp.zeros((), jnp.float32))
+             like_stage_weights(f32_zeros(staged)), f32_zeros(outer), jnp.zeros((), jnp.float32))
     carry = jax.lax.scan(slot, carry, jnp.arange(table.slots))[0]
     *_, d_staged, d_outer, total = carry
     d_outer = jax.lax.psum(d_outer, AXIS)
