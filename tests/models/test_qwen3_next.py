@@ -11,10 +11,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from conftest import TINY
 from models import qwen3_next
+from shardtrain import config, step
 from shardtrain.hf import safetensors_io
 from shardtrain.hf.layout import gated_query_to_hf, gated_query_to_ours, grouped_to_ours
+from shardtrain.parallel import mesh as mesh_lib
 
 LAYER = Path(__file__).parent.parent / "fixtures" / "gated_attention_layer.npz"
 MODEL = Path(__file__).parent.parent / "fixtures" / "hf" / "qwen3_next"
@@ -91,3 +95,34 @@ def test_greedy_generation_through_the_layer_states_equals_transformers():
     recurrent states and the attention layer's keys and values."""
     params, shape, ref = decoder()
     assert qwen3_next.greedy(params, ref["prompt_ids"], 20, **shape) == ref["new_ids"]
+
+
+QWEN3_NEXT = [*TINY, "model.name=qwen3_next", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+              "model.head_dim=16", "model.d_ff=16", "model.rotary_fraction=0.25", "model.qk_norm=true",
+              "model.norm_scale=one_plus_weight",
+              "model.linear_attention={key_heads: 2, value_heads: 4, key_head_dim: 8, value_head_dim: 8, chunk: 8}",
+              "model.moe={n_experts: 4, experts_per_token: 2, n_shared_experts: 1, shared_expert_d_ff: 16, "
+              "shared_expert_gate: true}"]
+"""A tiny Qwen3-Next for the trainer: one group of 3 DeltaNet layers and a gated attention layer."""
+
+
+def one_step(cfg, devices=None):
+    """(loss, params) after one train step on a fixed random batch."""
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, prog.abstract_batch().shape, dtype=np.int32)
+    state, metrics = prog.step(prog.init(cfg.train.seed), jax.device_put(tokens, prog.batch_sharding))
+    return float(metrics["loss"]), jax.tree.map(np.asarray, state["params"])
+
+
+@pytest.mark.slow
+def test_trainer_step_on_2x2x2_equals_one_device():
+    """The trainer's model (a rolled scan over groups of layers, DeltaNet scans per shard of heads, the
+    experts through moe.Moe): loss and updated parameters on data=2 x fsdp=2 x tensor=2 equal one device's."""
+    ref_loss, ref = one_step(config.load(None, QWEN3_NEXT), jax.devices()[:1])
+    loss, got = one_step(config.load(None, [*QWEN3_NEXT, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss and loss > 0
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert got["blocks"]["layer_0"]["w_qkvz_dc"].shape == (1, 32, 2 * 16 + 2 * 32)  # (groups, D, q k v z)
+    assert got["blocks"]["layer_3"]["wgate_dhe"].shape == (1, 32, 4, 16)
