@@ -178,7 +178,8 @@ class Layer(nnx.Module):
         h_btd = rms_norm(x_btd, self.mixer_norm[...], self.eps, plus_one=True)
         if self.kind == "linear":
             out_btd, _ = deltanet.linear_attention(self.weights(), h_btd, n_key_heads=self.n_key_heads, eps=self.eps,
-                                                   chunk=self.chunk, constrain=self.constrain)
+                                                   chunk=self.chunk, segment_ids_bt=segment_ids_bt,
+                                                   constrain=self.constrain)
         else:
             q_bthe, gate_bthe, k_btke, v_btke = self.qkv(h_btd, positions_bt)
             o_bthe = attention.attend(q_bthe, k_btke, v_btke, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
