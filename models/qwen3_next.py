@@ -144,8 +144,8 @@ class Layer(nnx.Module):
             self.w_qkvz_dc = param(rngs, normal(d ** -0.5), (d, 2 * qk + 2 * h * v), ("embed", None))
             self.w_ba_dh2 = param(rngs, normal(d ** -0.5), (d, 2 * h), ("embed", None))
             self.conv_wc = param(rngs, normal(a.conv_kernel ** -0.5), (a.conv_kernel, 2 * qk + h * v), (None, None))
-            self.a_log_h = param(rngs, zeros, (h,), (None,))
-            self.dt_bias_h = param(rngs, ones, (h,), (None,))
+            self.a_log_h = param(rngs, zeros, (h,), ("heads",))  # (the value heads: the scan runs per shard of them)
+            self.dt_bias_h = param(rngs, ones, (h,), ("heads",))
             self.norm_v = param(rngs, ones, (v,), (None,))
             self.wo_vd = param(rngs, normal((h * v) ** -0.5 / 2), (h * v, d), (None, "embed"))
         else:
