@@ -164,6 +164,9 @@ def pipeline_schedule(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain)
         raise ConfigError("mesh.pipeline > 1 does not combine with context parallelism (mesh.context > 1) yet: the "
                           "ring attention's shard_map reorders each sequence across devices, which the stages' "
                           "micro-batches do not follow; use mesh.pipeline=1 or mesh.context=1")
+    if cfg.model.linear_attention is not None:
+        raise ConfigError("mesh.pipeline > 1 does not run model.name=qwen3_next yet: its blocks are groups of "
+                          "DeltaNet and attention layers, which the stages do not split; use mesh.pipeline=1")
     schedule = pipeline.check(cfg, mesh)
     moe = cfg.model.moe
     if moe.n_experts > 1 and not schedule.explicit:

@@ -16,6 +16,7 @@ import pytest
 from conftest import TINY
 from models import qwen3_next
 from shardtrain import config, step
+from shardtrain.config import ConfigError
 from shardtrain.hf import safetensors_io
 from shardtrain.hf.layout import gated_query_to_hf, gated_query_to_ours, grouped_to_ours
 from shardtrain.parallel import mesh as mesh_lib
@@ -126,3 +127,22 @@ def test_trainer_step_on_2x2x2_equals_one_device():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert got["blocks"]["layer_0"]["w_qkvz_dc"].shape == (1, 32, 2 * 16 + 2 * 32)  # (groups, D, q k v z)
     assert got["blocks"]["layer_3"]["wgate_dhe"].shape == (1, 32, 4, 16)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.n_layers=6"], "full_attention_interval=4 must be >= 2 and divide model.n_layers=6"),
+    (["model.linear_attention.value_heads=3"], "key_heads=2 must divide value_heads=3"),
+    (["model.name=gpt"], "linear_attention is set exactly when model.name is qwen3_next"),
+    (["model.moe.n_experts=0"], "every layer's MLP is a mixture of experts"),
+    (["model.rotary_fraction=0.2"], "even number of rotating channels"),
+])
+def test_bad_qwen3_next_configs_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(None, [*QWEN3_NEXT, *overrides])
+
+
+def test_pipeline_stages_are_refused_in_one_line():
+    cfg = config.load(None, [*QWEN3_NEXT, "model.n_layers=8", "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2",
+                             "mesh.tensor=2"])
+    with pytest.raises(ConfigError, match="mesh.pipeline > 1 does not run model.name=qwen3_next"):
+        step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
