@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_step import one_step
 
 from conftest import TINY
 from models import qwen3_next
@@ -105,14 +106,6 @@ QWEN3_NEXT = [*TINY, "model.name=qwen3_next", "model.n_layers=4", "model.n_heads
               "model.moe={n_experts: 4, experts_per_token: 2, n_shared_experts: 1, shared_expert_d_ff: 16, "
               "shared_expert_gate: true}"]
 """A tiny Qwen3-Next for the trainer: one group of 3 DeltaNet layers and a gated attention layer."""
-
-
-def one_step(cfg, devices=None):
-    """(loss, params) after one train step on a fixed random batch."""
-    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, prog.abstract_batch().shape, dtype=np.int32)
-    state, metrics = prog.step(prog.init(cfg.train.seed), jax.device_put(tokens, prog.batch_sharding))
-    return float(metrics["loss"]), jax.tree.map(np.asarray, state["params"])
 
 
 @pytest.mark.slow
