@@ -202,6 +202,10 @@ def context_order(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain) -> 
     n = constrain.size("seq")
     if n == 1:
         return None
+    if cfg.model.linear_attention is not None:
+        raise ConfigError("mesh.context > 1 does not run model.name=qwen3_next yet: its DeltaNet layers scan each "
+                          "sequence in order, which context parallelism's load-balanced order breaks; "
+                          "use mesh.context=1")
     if comm.enabled(cfg):
         raise ConfigError("mesh.context > 1 does not combine with train.comm.sync=local_sgd or a compressed "
                           "train.comm.grad_reduce_dtype yet; use mesh.context=1")

@@ -3,8 +3,8 @@
 `model_config` reads either rope form (top-level rope_theta / rope_scaling, or transformers 5's
 rope_parameters, Gemma 3's and OLMo 3's per layer type; linear, llama3, yarn, dynamic) and refuses what
 the one decoder of models/gpt.py cannot compute (another activation, an o_proj bias outside gpt-oss, partial
-rotary, a mix of windowed and full layers outside the layer_types families, dense layers between MoE layers
-outside DeepSeek's and Llama 4's, bidirectional attention).
+rotary outside Qwen3-Next, a mix of windowed and full layers outside the layer_types families, dense layers
+between MoE layers outside DeepSeek's and Llama 4's, bidirectional attention).
 `hf_config` writes the config.json transformers loads: the imported one updated, or a fresh one for
 the family that holds the model config.
 """

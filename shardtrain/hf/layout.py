@@ -31,6 +31,10 @@ Layouts (ours <- HF, per layer i; our block parameters are stacked on a leading 
   blocks/moe/w_gate_edf, w_up_edf (E, D, F) <- mlp.experts.gate_up_proj (E, D, 2F), columns 0::2 and 1::2;
   b_gate_ef, b_up_ef (E, F) <- gate_up_proj_bias (E, 2F) likewise;  w_down_efd (E, F, D), b_down_ed (E, D) <-
   down_proj, down_proj_bias (MXFP4 blocks and scales dequantized by hf/mxfp4.py).
+  Qwen3-Next (`qwen3_next_map`; n = full_attention_interval): HF layer i is blocks/layer_{i % n} of group i // n;
+  linear_attn.in_proj_qkvz / in_proj_ba (grouped per key head) <- w_qkvz_dc / w_ba_dh2 (all heads' q, then k, v, z),
+  conv1d (C, 1, W) <- conv_wc (W, C), A_log, dt_bias, norm, out_proj <- a_log_h, dt_bias_h, norm_v, wo_vd;
+  self_attn.q_proj (H 2E, D: each head's query rows, then its gate rows) <- wq_dhe, wgate_dhe.
 The rotary layout needs no permutation: models/gpt.py rotates halves exactly as HF does, except
 DeepSeek's interleaved pairs, de-interleaved in the rotary rows of q_b_proj and kv_a_proj (`rope_perm`).
 """

@@ -134,8 +134,11 @@ def test_bad_qwen3_next_configs_are_one_line_errors(overrides, message):
         config.load(None, [*QWEN3_NEXT, *overrides])
 
 
-def test_pipeline_stages_are_refused_in_one_line():
-    cfg = config.load(None, [*QWEN3_NEXT, "model.n_layers=8", "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2",
+@pytest.mark.parametrize("axis", ["pipeline", "context"])
+def test_pipeline_stages_and_context_parallelism_are_refused_in_one_line(axis):
+    """Neither splits a sequence's DeltaNet scan as it needs: pipeline stages (groups of layers) and the
+    load-balanced order of context parallelism."""
+    cfg = config.load(None, [*QWEN3_NEXT, "model.n_layers=8", f"mesh.{axis}=2", "mesh.data=1", "mesh.fsdp=2",
                              "mesh.tensor=2"])
-    with pytest.raises(ConfigError, match="mesh.pipeline > 1 does not run model.name=qwen3_next"):
+    with pytest.raises(ConfigError, match=f"mesh.{axis} > 1 does not run model.name=qwen3_next"):
         step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
