@@ -23,7 +23,8 @@ MODELS = {"gpt": "models.gpt:Gpt", "mlp": "models.mlp:Mlp",
           **{family: "models.gpt:Gpt" for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
                                                      "qwen3_moe", "olmo2", "gemma2", "gemma3", "deepseek_v3",
                                                      "gpt_oss")},
-          "olmo3": "models.gpt:Gpt", "llama4_text": "models.gpt:Gpt"}
+          "olmo3": "models.gpt:Gpt", "llama4_text": "models.gpt:Gpt",
+          "qwen3_next": "models.qwen3_next:Qwen3Next"}
 """model.name -> class. The Hugging Face families are names of the one decoder `gpt` (import-hf writes the
 family it read, so the run says what it trains); their differences are config fields."""
 

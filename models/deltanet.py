@@ -29,25 +29,35 @@ CHUNK = 64
 
 
 def gated_delta_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, *, chunk: int = CHUNK, state_bhkv=None,
-                     constrain=None):
+                     segment_ids_bt=None, constrain=None):
     """(o_bthv, final state (B, H, K, V)) of the gated delta rule from `state_bhkv` (default zeros),
-    per shard of `heads` when `constrain` (the trainer's) is given."""
+    per shard of `heads` when `constrain` (the trainer's) is given. With `segment_ids_bt` (packed
+    documents) each document starts from a zero state, as if run alone."""
     names_x, names_g = ("batch", None, "heads", None), ("batch", None, "heads")
     names_s = ("batch", "heads", None, None)
-    b, _, h, k = q_bthk.shape
+    b, t, h, k = q_bthk.shape
     if state_bhkv is None:
         state_bhkv = jnp.zeros((b, h, k, v_bthv.shape[-1]), jnp.float32)
+    if segment_ids_bt is None:
+        segment_ids_bt = jnp.zeros((b, t), jnp.int32)
     local = (constrain or no_constraint).shard_map(
         lambda shard, *xs: _chunked(*xs, chunk=chunk),
-        (names_x, names_x, names_x, names_g, names_g, names_s), (names_x, names_s))
-    return local(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv)
+        (names_x, names_x, names_x, names_g, names_g, names_s, ("batch", None)), (names_x, names_s))
+    return local(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, segment_ids_bt)
 
 
-def _chunked(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, *, chunk):
+def _chunked(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, seg_bt, *, chunk):
     b, t, h, k = q_bthk.shape
     c = min(chunk, t)
     pad = -t % c
     n = (t + pad) // c
+    # packed documents: a token sees the carried state only in the state's document (`from_start`), the
+    # chunk's tokens only in its own (`same`), and writes the next state only in the chunk's last one
+    seg_nb1c = jnp.pad(seg_bt, [(0, 0), (0, pad)], mode="edge").reshape(b, n, c).transpose(1, 0, 2)[:, :, None]
+    state_seg_nb11 = jnp.concatenate([seg_nb1c[:1, ..., :1], seg_nb1c[:-1, ..., -1:]])
+    from_start_nb1c = seg_nb1c == state_seg_nb11
+    to_end_nb1c = seg_nb1c == seg_nb1c[..., -1:]
+    same_nb1cc = seg_nb1c[..., :, None] == seg_nb1c[..., None, :]
 
     def chunks(x):  # (B, T, H, ...) -> (N, B, H, C, ...), zero-padded to N C tokens
         x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
@@ -56,17 +66,18 @@ def _chunked(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, *, chunk):
     q, kk, v, g, beta = map(chunks, (q_bthk * k ** -0.5, k_bthk, v_bthv, g_bth, beta_bth))
     cum_nbhc = jnp.cumsum(g, -1)  # log of the decay from the chunk's start through each token
     lower_cc = jnp.tril(jnp.ones((c, c), bool))
-    decay_nbhcc = jnp.exp(jnp.where(lower_cc, cum_nbhc[..., :, None] - cum_nbhc[..., None, :], -jnp.inf))
+    decay_nbhcc = jnp.exp(jnp.where(lower_cc & same_nb1cc, cum_nbhc[..., :, None] - cum_nbhc[..., None, :], -jnp.inf))
+    from_start_nbhc = jnp.where(from_start_nb1c, jnp.exp(cum_nbhc), 0.0)  # the carried state's decay, or 0
     k_beta = kk * beta[..., None]
     # UT transform: (I + strictly lower(beta K K^T * decay)) W = [beta V, beta K exp(cum)]
     system = jnp.einsum("...ik,...jk->...ij", k_beta, kk) * decay_nbhcc
-    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum_nbhc)[..., None]], -1)
+    rhs = jnp.concatenate([v * beta[..., None], k_beta * from_start_nbhc[..., None]], -1)
     solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
     new_v, k_cumdecay = solved[..., :v.shape[-1]], solved[..., v.shape[-1]:]
     intra_nbhcc = jnp.einsum("...ik,...jk->...ij", q, kk) * decay_nbhcc
-    q_decayed = q * jnp.exp(cum_nbhc)[..., None]
-    k_decayed = kk * jnp.exp(cum_nbhc[..., -1:] - cum_nbhc)[..., None]
-    chunk_decay = jnp.exp(cum_nbhc[..., -1])[..., None, None]
+    q_decayed = q * from_start_nbhc[..., None]
+    k_decayed = kk * jnp.where(to_end_nb1c, jnp.exp(cum_nbhc[..., -1:] - cum_nbhc), 0.0)[..., None]
+    chunk_decay = jnp.where(seg_nb1c[..., -1:] == state_seg_nb11, jnp.exp(cum_nbhc[..., -1:]), 0.0)[..., None]
 
     def step(s_bhkv, xs):
         new_v, k_cumdecay, intra, q_decayed, k_decayed, chunk_decay = xs
@@ -89,12 +100,18 @@ def gated_delta_step(q_bhk, k_bhk, v_bhv, g_bh, beta_bh, state_bhkv):
     return jnp.einsum("bhkv,bhk->bhv", s, q * q.shape[-1] ** -0.5).astype(v_bhv.dtype), s
 
 
-def causal_conv(x_btc, w_wc, state_bwc):
+def causal_conv(x_btc, w_wc, state_bwc, segment_ids_bt=None):
     """silu of the causal depthwise convolution (kernel W per channel) of x following `state`, the
-    W - 1 inputs before it (zeros at a sequence's start): (y_btc, the last W - 1 inputs: the next state)."""
+    W - 1 inputs before it (zeros at a sequence's start): (y_btc, the last W - 1 inputs: the next state).
+    With `segment_ids_bt` (packed documents) a token's window holds only its own document's inputs."""
     w, t = w_wc.shape[0], x_btc.shape[1]
     full = jnp.concatenate([state_bwc.astype(x_btc.dtype), x_btc], 1)  # (B, W - 1 + T, C)
-    y_btc = sum(full[:, i:i + t] * w_wc[i] for i in range(w))
+    if segment_ids_bt is None:
+        y_btc = sum(full[:, i:i + t] * w_wc[i] for i in range(w))
+    else:
+        seg_bt = jnp.concatenate([jnp.repeat(segment_ids_bt[:, :1], w - 1, 1), segment_ids_bt], 1)
+        y_btc = sum(jnp.where((seg_bt[:, i:i + t] == segment_ids_bt)[..., None], full[:, i:i + t], 0) * w_wc[i]
+                    for i in range(w))
     return jax.nn.silu(y_btc), full[:, t:]
 
 
@@ -103,7 +120,7 @@ def l2_normalized(x, eps=1e-6):
 
 
 def linear_attention(p: dict, x_btd, *, n_key_heads: int, eps: float = 1e-6, conv_state_bwc=None, state_bhkv=None,
-                     chunk: int = CHUNK, constrain=None):
+                     chunk: int = CHUNK, segment_ids_bt=None, constrain=None):
     """Qwen3-Next's gated DeltaNet layer: (output_btd, (next conv state, next recurrent state)).
 
     q, k (n_key_heads heads of K) and v (H heads of V) go through one causal depthwise convolution
@@ -112,14 +129,15 @@ def linear_attention(p: dict, x_btd, *, n_key_heads: int, eps: float = 1e-6, con
     consecutive value heads; the output is RMS-normed per head, gated by silu(x w_z) and projected.
     `p`: w_qkvz_dc (D, q and k: n_key_heads K each, v and z: H V each), w_ba_dh2 (D, b then a: H each),
     conv_wc (W, the q, k, v channels), a_log_h, dt_bias_h, norm_v (V,), wo_vd (H V, D).
-    With states given (generation), continues from them; a single token takes the recurrent step."""
+    With states given (generation), continues from them; a single token takes the recurrent step.
+    With `segment_ids_bt` (packed documents, training) each document runs as if alone."""
     b, t, _ = x_btd.shape
     h, v_dim = p["a_log_h"].shape[0], p["norm_v"].shape[0]
     qk = (p["w_qkvz_dc"].shape[1] - 2 * h * v_dim) // 2  # n_key_heads K
     if conv_state_bwc is None:
         conv_state_bwc = jnp.zeros((b, p["conv_wc"].shape[0] - 1, p["conv_wc"].shape[1]), x_btd.dtype)
     qkv_btc, z_btc = jnp.split(x_btd @ p["w_qkvz_dc"], [2 * qk + h * v_dim], -1)
-    qkv_btc, conv_state_bwc = causal_conv(qkv_btc, p["conv_wc"], conv_state_bwc)
+    qkv_btc, conv_state_bwc = causal_conv(qkv_btc, p["conv_wc"], conv_state_bwc, segment_ids_bt)
     q, k, v = jnp.split(qkv_btc, [qk, 2 * qk], -1)
     q, k = (jnp.repeat(l2_normalized(x.reshape(b, t, n_key_heads, -1)), h // n_key_heads, 2) for x in (q, k))
     v_bthv = v.reshape(b, t, h, v_dim)
@@ -131,7 +149,7 @@ def linear_attention(p: dict, x_btd, *, n_key_heads: int, eps: float = 1e-6, con
         o_bthv = o_bhv[:, None]
     else:
         o_bthv, state_bhkv = gated_delta_rule(q, k, v_bthv, g_bth, beta_bth, chunk=chunk, state_bhkv=state_bhkv,
-                                              constrain=constrain)
+                                              segment_ids_bt=segment_ids_bt, constrain=constrain)
     o32 = o_bthv.astype(jnp.float32)
     normed = o32 * jax.lax.rsqrt((o32 * o32).mean(-1, keepdims=True) + eps) * p["norm_v"]
     gated = (normed * jax.nn.silu(z_btc.reshape(b, t, h, v_dim).astype(jnp.float32))).astype(x_btd.dtype)

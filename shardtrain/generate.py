@@ -41,7 +41,8 @@ def load_tokenizer(files_dir: Path | None) -> tokenize.HfTokenizer | None:
 
 def tensor_ways(m: config_lib.ModelConfig, n_devices: int) -> int:
     """The most devices (dividing the count) whose number divides every tensor-sharded dimension."""
-    dims = (m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size)
+    dims = (m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size, *([m.linear_attention.value_heads] if m.linear_attention
+                                                             else []))
     return max(t for t in range(1, n_devices + 1) if n_devices % t == 0 and all(x % t == 0 for x in dims))
 
 

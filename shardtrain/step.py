@@ -164,6 +164,9 @@ def pipeline_schedule(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain)
         raise ConfigError("mesh.pipeline > 1 does not combine with context parallelism (mesh.context > 1) yet: the "
                           "ring attention's shard_map reorders each sequence across devices, which the stages' "
                           "micro-batches do not follow; use mesh.pipeline=1 or mesh.context=1")
+    if cfg.model.linear_attention is not None:
+        raise ConfigError("mesh.pipeline > 1 does not run model.name=qwen3_next yet: its blocks are groups of "
+                          "DeltaNet and attention layers, which the stages do not split; use mesh.pipeline=1")
     schedule = pipeline.check(cfg, mesh)
     moe = cfg.model.moe
     if moe.n_experts > 1 and not schedule.explicit:
@@ -199,6 +202,10 @@ def context_order(cfg: RunConfig, mesh: Mesh, constrain: sharding.Constrain) -> 
     n = constrain.size("seq")
     if n == 1:
         return None
+    if cfg.model.linear_attention is not None:
+        raise ConfigError("mesh.context > 1 does not run model.name=qwen3_next yet: its DeltaNet layers scan each "
+                          "sequence in order, which context parallelism's load-balanced order breaks; "
+                          "use mesh.context=1")
     if comm.enabled(cfg):
         raise ConfigError("mesh.context > 1 does not combine with train.comm.sync=local_sgd or a compressed "
                           "train.comm.grad_reduce_dtype yet; use mesh.context=1")

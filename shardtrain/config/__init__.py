@@ -9,7 +9,14 @@ One source of truth: every other module reads a `RunConfig`. Errors a user can c
 """
 
 from shardtrain.config.load import absolute, dump, from_dict, load, read_yaml, repeated, resolve_paths, to_dict
-from shardtrain.config.model import LoraConfig, MlaConfig, ModelConfig, MoeConfig, RopeScalingConfig
+from shardtrain.config.model import (
+    LinearAttentionConfig,
+    LoraConfig,
+    MlaConfig,
+    ModelConfig,
+    MoeConfig,
+    RopeScalingConfig,
+)
 from shardtrain.config.schema import (
     MESH_AXES,
     MOVED,
@@ -40,7 +47,7 @@ from shardtrain.config.validate import validate, validate_hardware, validate_opt
 __all__ = [
     "MESH_AXES", "MOVED", "AxisRule", "CheckpointConfig", "CommConfig", "ConfigError", "DataConfig", "DcnConfig",
     "DpoConfig", "GrpoConfig", "HardwareConfig", "LocalTierConfig", "LoraConfig", "MeshConfig", "MixtureEntry",
-    "MlaConfig", "ModelConfig", "MoeConfig",
+    "LinearAttentionConfig", "MlaConfig", "ModelConfig", "MoeConfig",
     "OptimizerConfig", "PipelineConfig", "RopeScalingConfig", "RulesConfig", "RunConfig", "TrainConfig",
     "WatchdogConfig", "absolute", "dump", "from_dict", "is_url", "load", "mesh_axes", "read_yaml", "repeated",
     "resolve_paths", "shown", "to_dict", "validate", "validate_hardware", "validate_optimizer",

@@ -138,6 +138,26 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Qwen3-Next's hybrid decoder (model.name qwen3_next, models/qwen3_next.py): in each group of
+    full_attention_interval layers the first ones are gated DeltaNet linear attention (models/deltanet.py)
+    and the last is gated full attention (n_heads, n_kv_heads, head_dim, qk_norm with 1 + w)."""
+
+    full_attention_interval: int = 4
+    """Layers per group: interval - 1 DeltaNet layers, then one full-attention layer; must divide n_layers."""
+    key_heads: int = 16
+    """DeltaNet query / key heads (linear_num_key_heads); each serves value_heads / key_heads value heads."""
+    value_heads: int = 32
+    """DeltaNet value heads (linear_num_value_heads), one recurrent state each."""
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel: int = 4
+    """Width of the causal depthwise convolution over q, k, v (linear_conv_kernel_dim)."""
+    chunk: int = 64
+    """Tokens per chunk of the chunked delta-rule scan (a speed / memory knob, the same numbers)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Model architecture. `name` picks the class from the registry in `models/`. Llama 2/3,
     Mistral, Qwen2/2.5/3, OLMo 2, Gemma 2/3, DeepSeek-V3 and gpt-oss are configs of the one decoder
@@ -230,6 +250,10 @@ class ModelConfig:
     mla: Optional[MlaConfig] = None
     """Multi-head latent attention (DeepSeek-V2/V3) instead of grouped-query attention; null: off.
     Then n_kv_heads = n_heads and head_dim is unused."""
+    linear_attention: Optional[LinearAttentionConfig] = None
+    """Qwen3-Next's gated DeltaNet layers among gated full-attention ones (model.name qwen3_next only)."""
+    rotary_fraction: float = 1.0
+    """The fraction of each head's channels that rotate, the first ones (partial_rotary_factor; qwen3_next)."""
 
     @property
     def mlp_runs(self) -> list[tuple[str, int, int, bool]]:

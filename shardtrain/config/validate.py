@@ -259,9 +259,38 @@ def validate_model(m: ModelConfig) -> None:
                           f"{m.n_heads} (model.n_heads), not {m.n_kv_heads}")
     if m.mla is not None and (m.layer_pattern or m.qkv_bias or m.qk_norm or m.sliding_window):
         raise ConfigError("model.mla does not combine with model.layer_pattern, qkv_bias, qk_norm or sliding_window")
+    validate_linear_attention(m)
     if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
                           "(or set model.head_dim)")
+
+
+def validate_linear_attention(m: ModelConfig) -> None:
+    """Qwen3-Next's hybrid (model.linear_attention, model.rotary_fraction) belongs to model.name qwen3_next."""
+    a = m.linear_attention
+    if (a is not None) != (m.name == "qwen3_next"):
+        raise ConfigError("model.linear_attention is set exactly when model.name is qwen3_next (got name "
+                          f"{m.name!r}, linear_attention {'set' if a else 'null'})")
+    if m.rotary_fraction != 1.0 and a is None:
+        raise ConfigError(f"model.rotary_fraction={m.rotary_fraction}: only model.name qwen3_next rotates part "
+                          "of each head; set it to 1.0")
+    if not 0 < m.rotary_fraction <= 1 or int(m.head_size * m.rotary_fraction) % 2:
+        raise ConfigError(f"model.rotary_fraction={m.rotary_fraction} must be in (0, 1] and leave an even number "
+                          f"of rotating channels of the head's {m.head_size}")
+    if a is None:
+        return
+    for k in ("full_attention_interval", "key_heads", "value_heads", "key_head_dim", "value_head_dim",
+              "conv_kernel", "chunk"):
+        if getattr(a, k) < 1:
+            raise ConfigError(f"model.linear_attention.{k}: must be >= 1, got {getattr(a, k)}")
+    if a.full_attention_interval < 2 or m.n_layers % a.full_attention_interval:
+        raise ConfigError(f"model.linear_attention.full_attention_interval={a.full_attention_interval} must be "
+                          f">= 2 and divide model.n_layers={m.n_layers}")
+    if a.value_heads % a.key_heads:
+        raise ConfigError(f"model.linear_attention.key_heads={a.key_heads} must divide value_heads={a.value_heads}")
+    if m.moe.n_experts <= 1 or m.moe.first_dense_layers or m.moe.dense_layers:
+        raise ConfigError("model.name qwen3_next: every layer's MLP is a mixture of experts; set model.moe.n_experts "
+                          "> 1 and no first_dense_layers / dense_layers")
 
 
 def validate_moe(e: MoeConfig, n_layers: int) -> None:

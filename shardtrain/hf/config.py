@@ -3,8 +3,8 @@
 `model_config` reads either rope form (top-level rope_theta / rope_scaling, or transformers 5's
 rope_parameters, Gemma 3's and OLMo 3's per layer type; linear, llama3, yarn, dynamic) and refuses what
 the one decoder of models/gpt.py cannot compute (another activation, an o_proj bias outside gpt-oss, partial
-rotary, a mix of windowed and full layers outside the layer_types families, dense layers between MoE layers
-outside DeepSeek's and Llama 4's, bidirectional attention).
+rotary outside Qwen3-Next, a mix of windowed and full layers outside the layer_types families, dense layers
+between MoE layers outside DeepSeek's and Llama 4's, bidirectional attention).
 `hf_config` writes the config.json transformers loads: the imported one updated, or a fresh one for
 the family that holds the model config.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardtrain.config import ConfigError, MlaConfig, ModelConfig, MoeConfig, RopeScalingConfig
+from shardtrain.config import ConfigError, LinearAttentionConfig, MlaConfig, ModelConfig, MoeConfig, RopeScalingConfig
 from shardtrain.hf.families import FAMILIES, TRAIT_DEFAULTS, Family, Moe, family_for, family_of, field_of, misfits
 
 ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
@@ -26,8 +26,8 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     """Our model config for an HF config.json."""
     family = family_of(hf, where)
     act = ACTIVATIONS[family.trait("activation")]
-    for key, ok in [(family.act_key, act), ("mlp_bias", False), ("partial_rotary_factor", 1.0),
-                    ("use_bidirectional_attention", False)]:
+    partial = [] if family.linear else [("partial_rotary_factor", 1.0)]
+    for key, ok in [(family.act_key, act), ("mlp_bias", False), *partial, ("use_bidirectional_attention", False)]:
         if (hf.get(key) or ok) != ok:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {ok!r})")
     if hf.get("quantization_config"):  # DeepSeek-V3's own checkpoint: fp8 blocks with scales beside them
@@ -55,7 +55,45 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     fields.update(moe_fields(hf, family, where))
     if family.llama4:
         fields.update(llama4_fields(hf, fields["moe"], where))
+    if family.linear:
+        fields.update(linear_fields(hf, where))
     return ModelConfig(**fields)
+
+
+LINEAR_KEYS = {"key_heads": "linear_num_key_heads", "value_heads": "linear_num_value_heads",
+               "key_head_dim": "linear_key_head_dim", "value_head_dim": "linear_value_head_dim",
+               "conv_kernel": "linear_conv_kernel_dim", "full_attention_interval": "full_attention_interval"}
+"""Our model.linear_attention fields -> Qwen3-Next's config.json keys."""
+
+
+def linear_fields(hf: dict, where: str) -> dict:
+    """Qwen3-Next's fields: the DeltaNet layers' shapes, the groups of layer_types (interval - 1
+    linear_attention layers, then a full_attention one), the attention layers' rotary fraction."""
+    defaults = LinearAttentionConfig()
+    given = {ours: int(hf.get(key) or getattr(defaults, ours)) for ours, key in LINEAR_KEYS.items()}
+    n, interval = hf["num_hidden_layers"], given["full_attention_interval"]
+    types = linear_layer_types(n, interval)
+    if (hf.get("layer_types") or types) != types:
+        raise ConfigError(f"{where}: layer_types {hf['layer_types']} not supported; supported: groups of "
+                          f"{interval - 1} linear_attention layers then a full_attention one (full_attention_interval "
+                          f"{interval}) over all {n} layers")
+    fraction = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    return dict(linear_attention=LinearAttentionConfig(**given), rotary_fraction=float(fraction))
+
+
+def linear_layer_types(n: int, interval: int) -> list[str]:
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+
+
+def linear_keys(m: ModelConfig, out: dict) -> dict:
+    """Qwen3-Next's keys of config.json (linear_fields' inverse); `out`: the config.json written so far."""
+    a = m.linear_attention
+    new = {key: getattr(a, ours) for ours, key in LINEAR_KEYS.items()}
+    new["layer_types"] = linear_layer_types(m.n_layers, a.full_attention_interval)
+    new["rope_parameters"] = {**out["rope_parameters"], "partial_rotary_factor": m.rotary_fraction}
+    if "partial_rotary_factor" in out:
+        new["partial_rotary_factor"] = m.rotary_fraction
+    return new
 
 
 def llama4_fields(hf: dict, moe: MoeConfig, where: str) -> dict:
@@ -264,6 +302,8 @@ def hf_config(m: ModelConfig, base: dict | None = None, dtype: str = "float32") 
         out.update(moe_keys(m, family.moe, out, base))
     if family.llama4:
         out.update(llama4_keys(m))
+    if family.linear:
+        out.update(linear_keys(m, out))
     if family.mla:
         a = m.mla
         out.update(q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,

@@ -1,7 +1,7 @@
 """The Hugging Face families we read and write, one row each: every fact about a family that the
 config mapping (hf/config.py) and the tensor layout (hf/layout.py) need, in one table.
 
-All of them are configs of the one decoder in models/gpt.py. A family differs from another in
+All of them but Qwen3-Next are configs of the one decoder in models/gpt.py. A family differs from another in
 - its attention: q/k/v biases (Qwen2), RMSNorm on each query and key head (Qwen3);
 - the model fields it fixes (`traits`: OLMo 2's norms after the sublayers, Gemma's GeGLU, ...) and
   the optional ones its config.json can hold (`extras`: Gemma's soft caps, ...);
@@ -11,7 +11,8 @@ All of them are configs of the one decoder in models/gpt.py. A family differs fr
   a key is absent, and the names of its MoE MLP's tensors;
 - DeepSeek-V3's latent attention (`mla`);
 - gpt-oss's attention sinks and output bias (traits), its experts' biases, clamped SwiGLU and fused
-  expert tensors (`Moe.fused`).
+  expert tensors (`Moe.fused`);
+- Qwen3-Next's DeltaNet and gated attention layers (`linear`: models/qwen3_next.py, not the one decoder).
 
 `family_for(model)` picks the family that holds our model config exactly: a config that no family
 holds (say qk_norm and qkv_bias together) is a ConfigError rather than an export that drops a
@@ -94,6 +95,9 @@ class Family:
     rope: dict = field(default_factory=dict)
     """The rope scaling transformers assumes when config.json has no rope_parameters / rope_scaling
     (gpt-oss: yarn); {}: none."""
+    linear: bool = False
+    """Qwen3-Next's hybrid: gated DeltaNet layers and gated attention layers with partial rotary
+    (our model.linear_attention, model.rotary_fraction; model.name qwen3_next, not the one decoder)."""
 
     def trait(self, name: str):
         """The value the family fixes for ModelConfig field `name` (one of TRAITS)."""
@@ -164,6 +168,8 @@ FAMILIES = {f.architecture: f for f in [  # in order of preference when several 
                defaults={"router_aux_loss_coef": 0.001, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}, mlp="mlp.",
                experts=("gate_up_proj", "gate_up_proj", "down_proj"), fused=True,
                fixed={"norm_topk_prob": True, "router_logit_bias": True, "expert_bias": True})),
+    Family("Qwen3NextForCausalLM", "qwen3_next", qk_norm=True, traits={"norm_scale": "one_plus_weight"}, linear=True,
+           moe=Moe(QWEN_MOE_KEYS, QWEN_MOE_DEFAULTS, "mlp.", QWEN_EXPERTS, shared_expert=True, sparse_step=True)),
 ]}
 ROUTING = ("router", "n_groups", "topk_groups", "routed_scaling_factor", "first_dense_layers", "dense_d_ff",
            "dense_layers", "router_logit_bias", "expert_bias", "swiglu_limit", "swiglu_alpha")
@@ -200,6 +206,8 @@ def misfits(f: Family, m: ModelConfig) -> list[str]:
     out += [f"layer_pattern={list(m.layer_pattern)}"] if m.layer_pattern and f.window != "layer_types" \
         and not f.llama4 else []
     out += [f"mla={m.mla}"] if (m.mla is not None) != f.mla else []
+    out += [f"linear_attention={m.linear_attention}"] if (m.linear_attention is not None) != f.linear else []
+    out += [f"rotary_fraction={m.rotary_fraction}"] if m.rotary_fraction != 1.0 and not f.linear else []
     out += [f"{k}={getattr(m, k)}" for k in LLAMA4 if getattr(m, k) not in (None, False) and not f.llama4]
     e = m.moe
     if (e.n_experts > 1) != (f.moe is not None):

@@ -138,7 +138,7 @@ class HfDir:
         def ours(i=None, j=None):  # one HF tensor in our layout (its `part`), cached until the next one is asked for
             if (i, j) not in last:
                 last.clear()
-                whole = entry.to_ours(self.reader.get(entry.hf.format(i=None if i is None else entry.first + i, j=j)))
+                whole = entry.to_ours(self.reader.get(entry.hf_name(i, j)))
                 last[i, j] = np.split(whole, len(entry.paths), axis=-1)[part]
             return last[i, j]
 

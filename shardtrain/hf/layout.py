@@ -31,6 +31,10 @@ Layouts (ours <- HF, per layer i; our block parameters are stacked on a leading 
   blocks/moe/w_gate_edf, w_up_edf (E, D, F) <- mlp.experts.gate_up_proj (E, D, 2F), columns 0::2 and 1::2;
   b_gate_ef, b_up_ef (E, F) <- gate_up_proj_bias (E, 2F) likewise;  w_down_efd (E, F, D), b_down_ed (E, D) <-
   down_proj, down_proj_bias (MXFP4 blocks and scales dequantized by hf/mxfp4.py).
+  Qwen3-Next (`qwen3_next_map`; n = full_attention_interval): HF layer i is blocks/layer_{i % n} of group i // n;
+  linear_attn.in_proj_qkvz / in_proj_ba (grouped per key head) <- w_qkvz_dc / w_ba_dh2 (all heads' q, then k, v, z),
+  conv1d (C, 1, W) <- conv_wc (W, C), A_log, dt_bias, norm, out_proj <- a_log_h, dt_bias_h, norm_v, wo_vd;
+  self_attn.q_proj (H 2E, D: each head's query rows, then its gate rows) <- wq_dhe, wgate_dhe.
 The rotary layout needs no permutation: models/gpt.py rotates halves exactly as HF does, except
 DeepSeek's interleaved pairs, de-interleaved in the rotary rows of q_b_proj and kv_a_proj (`rope_perm`).
 """
@@ -58,12 +62,18 @@ class Entry:
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
     first: int = 0
-    """Layered entries of a stage (models.layers.Stages): our layer i is HF layer first + i ..."""
+    """Layered entries of a stage (models.layers.Stages): our layer i is HF layer first + stride i ..."""
     count: int | None = None
     """... for `count` layers (None: all the model's)."""
+    stride: int = 1
+    """HF layers between our consecutive ones (Qwen3-Next: our group g's layer p is HF layer 4 g + p)."""
     joined: tuple[tuple[str, ...], ...] = ()
     """More of our parameters the HF tensor holds after `ours`, equal parts of to_ours' last axis
     (the experts' gate_up_proj of Llama 4 and gpt-oss: w_gate_edf then w_up_edf)."""
+
+    def hf_name(self, i: int | None = None, j: int | None = None) -> str:
+        """The HF tensor of our layer i (None: not layered) and expert j."""
+        return self.hf.format(i=None if i is None else self.first + self.stride * i, j=j)
 
     @property
     def paths(self) -> tuple[tuple[str, ...], ...]:
@@ -94,6 +104,8 @@ NORMS = {"pre": [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_
 
 
 def tensor_map(m: ModelConfig) -> list[Entry]:
+    if m.linear_attention is not None:
+        return qwen3_next_map(m)
     runs = m.mlp_runs
     if len(runs) == 1:
         return model_map(m)
@@ -226,6 +238,55 @@ def grouped_to_hf(w, key_heads: int, parts: tuple[int, ...]):
     return np.concatenate([s.reshape(key_heads, n, -1) for s, n in zip(split, parts)], axis=1).reshape(w.T.shape)
 
 
+def qwen3_next_map(m: ModelConfig) -> list[Entry]:
+    """Qwen3-Next: HF layer i is layer i % n of our group i // n (n: full_attention_interval; models/qwen3_next.py),
+    blocks/layer_p/<weight>: DeltaNet layers (p < n - 1) under linear_attn., the attention layer under self_attn."""
+    a, d, n = m.linear_attention, m.d_model, m.linear_attention.full_attention_interval
+    h, kv, e = m.n_heads, m.n_kv_heads, m.head_size
+    key_heads, r, v = a.key_heads, a.value_heads // a.key_heads, a.value_head_dim
+    qkvz, ba = (a.key_head_dim, a.key_head_dim, r * v, r * v), (r, r)
+    conv = 2 * key_heads * a.key_head_dim + a.value_heads * v
+
+    def grouped(parts):
+        return (lambda w: grouped_to_ours(w, key_heads, parts)), (lambda w: grouped_to_hf(w, key_heads, parts))
+
+    def heads(n_heads):  # (n E, D) <-> (D, n, E)
+        return (lambda w: w.T.reshape(d, n_heads, e)), (lambda w: w.reshape(d, n_heads * e).T)
+    both = [Entry(("mixer_norm",), "input_layernorm.weight", (d,), same, same),
+            Entry(("mlp_norm",), "post_attention_layernorm.weight", (d,), same, same),
+            *[dataclasses.replace(x, ours=x.ours[1:], hf=x.hf.removeprefix("model.layers.{i}."))
+              for x in moe_entries(m)]]
+    lin, attn = "linear_attn.", "self_attn."
+    linear = [Entry(("w_qkvz_dc",), lin + "in_proj_qkvz.weight", (key_heads * sum(qkvz), d), *grouped(qkvz)),
+              Entry(("w_ba_dh2",), lin + "in_proj_ba.weight", (key_heads * sum(ba), d), *grouped(ba)),
+              Entry(("conv_wc",), lin + "conv1d.weight", (conv, 1, a.conv_kernel), lambda w: w[:, 0].T,
+                    lambda w: w.T[:, None]),
+              Entry(("a_log_h",), lin + "A_log", (a.value_heads,), same, same),
+              Entry(("dt_bias_h",), lin + "dt_bias", (a.value_heads,), same, same),
+              Entry(("norm_v",), lin + "norm.weight", (v,), same, same),
+              Entry(("wo_vd",), lin + "out_proj.weight", (d, a.value_heads * v), tr, tr)]
+    full = [Entry(("wq_dhe",), attn + "q_proj.weight", (h * 2 * e, d), lambda w: gated_query_to_ours(w, h),
+                  gated_query_to_hf, joined=(("wgate_dhe",),)),
+            Entry(("wk_dke",), attn + "k_proj.weight", (kv * e, d), *heads(kv)),
+            Entry(("wv_dke",), attn + "v_proj.weight", (kv * e, d), *heads(kv)),
+            Entry(("q_norm",), attn + "q_norm.weight", (e,), same, same),
+            Entry(("k_norm",), attn + "k_norm.weight", (e,), same, same),
+            Entry(("wo_hed",), attn + "o_proj.weight", (d, h * e), lambda w: w.T.reshape(h, e, d),
+                  lambda w: w.reshape(h * e, d).T)]
+
+    def at(p, x):  # entry x of layer p of every group
+        def ours(path):
+            return ("blocks", f"layer_{p}", *path)
+        return dataclasses.replace(x, ours=ours(x.ours), hf="model.layers.{i}." + x.hf, first=p, stride=n,
+                                   count=m.n_layers // n, joined=tuple(map(ours, x.joined)))
+    out = [Entry(("embedding_vd",), "model.embed_tokens.weight", (m.vocab_size, d), same, same)]
+    out += [at(p, x) for p in range(n) for x in both + (linear if p < n - 1 else full)]
+    out.append(Entry(("final_norm",), "model.norm.weight", (d,), same, same))
+    if not m.tie_embeddings:
+        out.append(Entry(("unembed_dv",), "lm_head.weight", (m.vocab_size, d), tr, tr))
+    return out
+
+
 def fused_moe_entries(m: ModelConfig) -> list[Entry]:
     """gpt-oss's experts: stacked (E, ...) tensors with biases, gate and up interleaved in one."""
     d, f, n = m.d_model, m.d_ff, m.moe.n_experts
@@ -282,7 +343,7 @@ def indexed_names(entry: Entry, m: ModelConfig) -> list[tuple[str, tuple[int, ..
     """(HF name, index into our stacked parameter) for each HF tensor of `entry`."""
     layers = range(m.n_layers if entry.count is None else entry.count) if entry.layered else [None]
     experts = range(m.moe.n_experts) if entry.per_expert else [None]
-    return [(entry.hf.format(i=None if i is None else entry.first + i, j=j), tuple(x for x in (i, j) if x is not None))
+    return [(entry.hf_name(i, j), tuple(x for x in (i, j) if x is not None))
             for i in layers for j in experts]
 
 

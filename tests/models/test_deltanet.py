@@ -140,3 +140,18 @@ def test_linear_attention_layer_sharded_over_heads_equals_unsharded():
     with jax.set_mesh(c.mesh):
         got, _ = jax.jit(lambda p, x: deltanet.linear_attention(p, x, n_key_heads=2, chunk=16, constrain=c))(p, x)
     np.testing.assert_allclose(got, jnp.tile(jnp.asarray(t["out"]), (2, 1, 1)), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_documents_each_run_as_if_alone():
+    """Three documents packed in a row of 40 (boundaries mid-chunk and on a chunk's edge, chunks of 8):
+    each document's output equals the layer run on it alone (conv window and state reset at its start)."""
+    t = np.load(LAYER)
+    p, x = layer_params(t), jnp.asarray(t["x"])
+    bounds = [0, 13, 24, 40]
+    seg_bt = jnp.asarray(np.repeat(np.arange(3), np.diff(bounds))[None].repeat(2, 0), jnp.int32)
+    packed, _ = deltanet.linear_attention(p, x, n_key_heads=2, chunk=8, segment_ids_bt=seg_bt)
+    for start, stop in zip(bounds, bounds[1:]):
+        alone, _ = deltanet.linear_attention(p, x[:, start:stop], n_key_heads=2, chunk=8)
+        np.testing.assert_allclose(packed[:, start:stop], alone, atol=1e-5, rtol=1e-5)
+    whole, _ = deltanet.linear_attention(p, x, n_key_heads=2, chunk=8)
+    assert np.abs(packed[:, 13:] - whole[:, 13:]).max() > 1e-2  # the documents do differ from one sequence

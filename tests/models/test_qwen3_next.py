@@ -11,10 +11,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from test_step import one_step
 
+from conftest import TINY
 from models import qwen3_next
+from shardtrain import config, step
+from shardtrain.config import ConfigError
 from shardtrain.hf import safetensors_io
 from shardtrain.hf.layout import gated_query_to_hf, gated_query_to_ours, grouped_to_ours
+from shardtrain.parallel import mesh as mesh_lib
 
 LAYER = Path(__file__).parent.parent / "fixtures" / "gated_attention_layer.npz"
 MODEL = Path(__file__).parent.parent / "fixtures" / "hf" / "qwen3_next"
@@ -91,3 +97,48 @@ def test_greedy_generation_through_the_layer_states_equals_transformers():
     recurrent states and the attention layer's keys and values."""
     params, shape, ref = decoder()
     assert qwen3_next.greedy(params, ref["prompt_ids"], 20, **shape) == ref["new_ids"]
+
+
+QWEN3_NEXT = [*TINY, "model.name=qwen3_next", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+              "model.head_dim=16", "model.d_ff=16", "model.rotary_fraction=0.25", "model.qk_norm=true",
+              "model.norm_scale=one_plus_weight",
+              "model.linear_attention={key_heads: 2, value_heads: 4, key_head_dim: 8, value_head_dim: 8, chunk: 8}",
+              "model.moe={n_experts: 4, experts_per_token: 2, n_shared_experts: 1, shared_expert_d_ff: 16, "
+              "shared_expert_gate: true}"]
+"""A tiny Qwen3-Next for the trainer: one group of 3 DeltaNet layers and a gated attention layer."""
+
+
+@pytest.mark.slow
+def test_trainer_step_on_2x2x2_equals_one_device():
+    """The trainer's model (a rolled scan over groups of layers, DeltaNet scans per shard of heads, the
+    experts through moe.Moe): loss and updated parameters on data=2 x fsdp=2 x tensor=2 equal one device's."""
+    ref_loss, ref = one_step(config.load(None, QWEN3_NEXT), jax.devices()[:1])
+    loss, got = one_step(config.load(None, [*QWEN3_NEXT, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss and loss > 0
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert got["blocks"]["layer_0"]["w_qkvz_dc"].shape == (1, 32, 2 * 16 + 2 * 32)  # (groups, D, q k v z)
+    assert got["blocks"]["layer_3"]["wgate_dhe"].shape == (1, 32, 4, 16)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.n_layers=6"], "full_attention_interval=4 must be >= 2 and divide model.n_layers=6"),
+    (["model.linear_attention.value_heads=3"], "key_heads=2 must divide value_heads=3"),
+    (["model.name=gpt"], "linear_attention is set exactly when model.name is qwen3_next"),
+    (["model.moe.n_experts=0"], "every layer's MLP is a mixture of experts"),
+    (["model.rotary_fraction=0.2"], "even number of rotating channels"),
+])
+def test_bad_qwen3_next_configs_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(None, [*QWEN3_NEXT, *overrides])
+
+
+@pytest.mark.parametrize("axis", ["pipeline", "context"])
+def test_pipeline_stages_and_context_parallelism_are_refused_in_one_line(axis):
+    """Neither splits a sequence's DeltaNet scan as it needs: pipeline stages (groups of layers) and the
+    load-balanced order of context parallelism."""
+    cfg = config.load(None, [*QWEN3_NEXT, "model.n_layers=8", f"mesh.{axis}=2", "mesh.data=1", "mesh.fsdp=2",
+                             "mesh.tensor=2"])
+    with pytest.raises(ConfigError, match=f"mesh.{axis} > 1 does not run model.name=qwen3_next"):
+        step.build(cfg, mesh_lib.make_mesh(cfg.mesh))
