@@ -216,8 +216,13 @@ def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fw
     group0 = take(staged, 0)
     blocks_graphdef = nnx.split(model_of(outer_c, group0).blocks)[0]
 
-    def blocks_fn(group_blocks, x_btd, docs_bt):  # constrained: so is the weights' cotangent
-        group_blocks = like_stage_weights(group_blocks)
+    @jax.custom_vjp
+    def split_cotangent(group_blocks):  # the identity, whose cotangent is split as the weights are
+        return group_blocks
+    split_cotangent.defvjp(lambda w: (w, None), lambda _, ct: (like_stage_weights(ct),))
+
+    def blocks_fn(group_blocks, x_btd, docs_bt):
+        group_blocks = split_cotangent(group_blocks)
         out = run_group(nnx.merge(blocks_graphdef, group_blocks), x_btd, **docs_bt)
         return out[0] if isinstance(out, tuple) else out  # an MoE's auxiliary losses: 0 (step.pipeline_schedule)
 
