@@ -138,7 +138,7 @@ def compute_seconds(flops_dev: float, model_flops_dev: float, flops_by_dtype: di
 def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], chip: chips_lib.Chip,
              dcn_axes: set[str], model_flops_step: float, n_devices: int,
              flops_by_dtype: dict[str, float] | None = None, loops: dict[str, hlo.LoopBody] | None = None,
-             host_link_bytes: float = 0.0) -> dict:
+             host_link_bytes: float = 0.0, idle_fraction: float = 0.0) -> dict:
     """The roofline. Compute time is the larger of the compiled FLOPs and the model's FLOPs at peak
     (`compute_seconds`): the compiler's count can fall short of the model's (a remat policy that saves
     every matmul and an embedding lookup with no input gradient, as in meshes/gpu_1x8.yaml; custom
@@ -151,10 +151,12 @@ def estimate(flops_dev: float, bytes_dev: float, colls: list[hlo.Collective], ch
     reduce-scatters of the last gradients, which the compiler runs asynchronously) hide behind that
     iteration's own compute or memory time, and the rest adds. `host_link_bytes` (train.offload's
     state, in and out each step) cross the host link at the chip's `host_bandwidth`, added in series
-    (`host_link_s`; no overlap counted)."""
+    (`host_link_s`; no overlap counted). `idle_fraction`: an explicit pipeline schedule's bubble, the
+    share of its slots a stage waits in; its FLOPs and bytes are the busiest stage's work alone (idle
+    slots compute nothing), so compute and memory time stretch by 1 / (1 - idle_fraction)."""
     program_s, model_s = compute_seconds(flops_dev, model_flops_step / n_devices, flops_by_dtype or {}, chip)
-    compute_s = max(program_s, model_s)
-    memory_s = bytes_dev / chip.hbm_bandwidth
+    compute_s = max(program_s, model_s) / (1 - idle_fraction)
+    memory_s = bytes_dev / chip.hbm_bandwidth / (1 - idle_fraction)
 
     def seconds(c: hlo.Collective) -> float:  # all its runs, on the link its axes cross
         return c.traffic_bytes * c.count / (chip.dcn_bandwidth if dcn_axes.intersection(c.axes) else chip.ici_bandwidth)
@@ -272,9 +274,12 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     text = compiled.as_text()
     module = hlo.parse_module(text)
     busiest = functools.partial(max, key=lambda flops_bytes: flops_bytes[0])  # the busiest pipeline stage
-    loop_flops, loop_bytes = busiest(hlo.loop_repeats_cost(module, w) for w in branch_weights(prog))
-    if cost is None or platform == "gpu":  # XLA:GPU: none compile-only; on GPUs its bytes are too many
-        cost, (loop_flops, loop_bytes) = {}, busiest(hlo.program_cost(module, w) for w in branch_weights(prog))
+    weights = branch_weights(prog)
+    loop_flops, loop_bytes = busiest(hlo.loop_repeats_cost(module, w) for w in weights)
+    # the whole count from the HLO: XLA:GPU has no cost analysis compile-only and too many bytes on GPUs;
+    # an explicit schedule's switch XLA counts as its costliest branch, where each branch runs its share
+    if cost is None or platform == "gpu" or weights != [None]:
+        cost, (loop_flops, loop_bytes) = {}, busiest(hlo.program_cost(module, w) for w in weights)
     optimal_s = cost.get("optimal_seconds")  # the TPU cost model's step time (its loop bodies counted once)
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
     flops_by_dtype = hlo.matmul_flops_by_dtype(module)
@@ -323,7 +328,8 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "model_flops_per_token": flops_token,
         "model_flops_per_step": flops_token * tokens,
         "estimate": {**estimate(flops_dev, bytes_dev, colls, chip_dev, dcn_axes, flops_token * tokens, n,
-                                flops_by_dtype, hlo.loop_bodies(module), 2 * host["total"]),
+                                flops_by_dtype, hlo.loop_bodies(module), 2 * host["total"],
+                                prog.schedule.bubble_fraction if prog.schedule and prog.schedule.explicit else 0.0),
                      "tpu_cost_model_step_s": float(optimal_s) if optimal_s and optimal_s > 0 else None,
                      "cost_analysis_optimal_seconds": None if optimal_s is None else float(optimal_s)},
         "pipeline": pipeline_schedule(prog),

@@ -154,6 +154,9 @@ def test_roofline_adds_communication_to_the_larger_of_compute_and_memory():
     across_hosts = planner.estimate(989e12, 3 * 3350e9, [gradients], h100, {"data"}, 4 * 989e12, 8)
     assert (across_hosts["memory_s"], across_hosts["comm_s"]) == pytest.approx((3.0, 1.8))
     assert across_hosts["step_time_s"] == pytest.approx(4.8) and across_hosts["bottleneck"] == "memory"
+    piped = planner.estimate(989e12, 1675e9, [gradients], h100, set(), 4 * 989e12, 8, idle_fraction=0.2)
+    assert (piped["compute_s"], piped["memory_s"]) == pytest.approx((1.25, 0.625))  # an explicit schedule's bubble
+    assert piped["step_time_s"] == pytest.approx(1.45)  # waits, at the busiest stage's work per busy slot
 
 
 def test_each_loop_iterations_collectives_hide_behind_its_own_compute():
