@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from models import attention
+from shardtrain import config
 from shardtrain.config import MESH_AXES, MeshConfig, RulesConfig
 from shardtrain.parallel import mesh as mesh_lib, sharding
 from shardtrain.plan import planner
@@ -125,6 +126,8 @@ def test_auto_on_a_gpu_runs_chunked_for_mla_heads_wider_than_cudnn_takes():
     want = reference(*(x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v)))
     np.testing.assert_allclose(got[..., :E].astype(jnp.float32), want, atol=2e-2)
     np.testing.assert_array_equal(got[..., E:], 0)
+    with pytest.raises(config.ConfigError, match="model.attention=cudnn: .* up to 128 channels, this model's have 192"):
+        config.load("meshes/deepseek_v3_h100_256.yaml", ["model.attention=cudnn"])
 
 
 @pytest.mark.parametrize("impl", ["chunked", "splash"])
