@@ -27,7 +27,7 @@ that logit with a zero value would: the online softmax below starts from it, spl
   and kv-head axes. TPU (tests run it with `interpret=True` on CPU).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (flash attention; a window is
   cuDNN's sliding_window_length W). NVIDIA GPU. No soft cap and no sinks: asking for one is an error.
-- `auto`: splash on TPU, cudnn on GPU (chunked for float32, a soft cap or sinks), xla on CPU.
+- `auto`: splash on TPU, cudnn on GPU (chunked for float32, heads over 128 channels, a soft cap or sinks), xla on CPU.
 - ring (context parallelism): when the trainer splits the sequence over devices
   (`constrain.size("seq") > 1`), every implementation runs as ring attention (below); `xla`
   computes each ring step's block whole, the others in chunks like `chunked`.
@@ -50,9 +50,11 @@ from models.contract import no_constraint
 
 IMPLS = ("auto", "xla", "chunked", "splash", "cudnn")
 CHUNK = 512
+"""Query / key chunk of the `chunked` implementation (the whole sequence when shorter)."""
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 """What cuDNN's fused attention takes; `auto` on a GPU runs `chunked` for other compute dtypes."""
-"""Query / key chunk of the `chunked` implementation (the whole sequence when shorter)."""
+CUDNN_MAX_HEAD_DIM = 128
+"""The widest query/key head jax's cuDNN flash attention takes (MLA's 128 + 64 is wider)."""
 
 
 def resolve(impl: str, platform: str | None = None) -> str:
@@ -77,8 +79,9 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
     host) or else the default backend; splash off TPU runs interpreted (CPU tests)."""
     platform = getattr(constrain, "platform", None) or jax.default_backend()
     if impl == "auto" and resolve(impl, platform) == "cudnn" and (q_bthe.dtype not in CUDNN_DTYPES or softcap
-                                                                  or sinks_h is not None):
-        impl = "chunked"  # cuDNN's fused attention takes half-precision inputs only, and has no soft cap or sinks
+                                                                  or sinks_h is not None
+                                                                  or q_bthe.shape[-1] > CUDNN_MAX_HEAD_DIM):
+        impl = "chunked"  # cuDNN's fused attention: half-precision inputs only, heads up to 128, no soft cap or sinks
     impl = resolve(impl, platform)
     if impl == "cudnn" and (softcap is not None or sinks_h is not None):
         raise ValueError("cudnn attention has no soft cap (model.attn_softcap) or sinks (model.attn_sinks); "

@@ -176,7 +176,8 @@ class ModelConfig:
     attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"
     """Attention implementation (models/attention.py): `xla` materialises the T x T scores;
     `chunked` is flash-style plain XLA (long sequences anywhere); `splash` the Pallas TPU kernel;
-    `cudnn` cuDNN flash attention on NVIDIA GPUs; `auto`: splash on TPU, cudnn on GPU, xla on CPU."""
+    `cudnn` cuDNN flash attention on NVIDIA GPUs (heads of up to 128 channels); `auto`: splash on TPU,
+    cudnn on GPU (chunked where cudnn cannot run), xla on CPU."""
     embed: Literal["gather", "one_hot"] = "gather"
     """Token embedding: `gather` rows of the table (no B x T x V intermediate); `one_hot` a one-hot
     matmul (shards cleanly over a vocab-sharded table; 2 V D FLOPs per token)."""

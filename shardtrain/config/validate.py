@@ -263,6 +263,9 @@ def validate_model(m: ModelConfig) -> None:
     if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
                           "(or set model.head_dim)")
+    if m.attention == "cudnn" and m.head_size > 128:  # models.attention.CUDNN_MAX_HEAD_DIM
+        raise ConfigError(f"model.attention=cudnn: jax's cuDNN flash attention takes heads of up to 128 channels, "
+                          f"this model's have {m.head_size}; use attention=chunked or auto on a GPU")
 
 
 def validate_linear_attention(m: ModelConfig) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from models import attention
+from shardtrain import config
 from shardtrain.config import MESH_AXES, MeshConfig, RulesConfig
 from shardtrain.parallel import mesh as mesh_lib, sharding
 from shardtrain.plan import planner
@@ -113,6 +114,20 @@ def test_chunked_several_chunks_and_gradients():
     np.testing.assert_allclose(out, reference(q, k, v, seg), atol=2e-5)
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_on_a_gpu_runs_chunked_for_mla_heads_wider_than_cudnn_takes():
+    """MLA's 128 + 64 query/key channels (DeepSeek-V3; values zero-padded to them) are over cuDNN
+    flash attention's 128: `auto` on a GPU takes chunked (asking cuDNN for them would fail)."""
+    q, k, v = qkv(3)
+    gpu = type("OnGpu", (), {"platform": "gpu", "size": staticmethod(lambda axis: 1)})()
+    wide = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, 192 - E))).astype(jnp.bfloat16) for x in (q, k, v)]  # same scores
+    got = attention.attend(*wide, impl="auto", constrain=gpu, scale=E ** -0.5)
+    want = reference(*(x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v)))
+    np.testing.assert_allclose(got[..., :E].astype(jnp.float32), want, atol=2e-2)
+    np.testing.assert_array_equal(got[..., E:], 0)
+    with pytest.raises(config.ConfigError, match="model.attention=cudnn: .* up to 128 channels, this model's have 192"):
+        config.load("meshes/deepseek_v3_h100_256.yaml", ["model.attention=cudnn"])
 
 
 @pytest.mark.parametrize("impl", ["chunked", "splash"])
