@@ -228,7 +228,8 @@ def comm_mode(prog: step_lib.Program) -> dict | None:
 
 def attention_kernel(cfg: RunConfig, mesh, text: str, platform: str) -> str:
     """The attention the compiled program runs: a kernel named in it (cuDNN's fused attention, splash),
-    else the XLA implementation the model chose (`ring` when the sequence is split over devices)."""
+    else the XLA implementation the model chose (`ring` when the sequence is split over devices;
+    `chunked` where auto's kernel does not take the model: float32, a soft cap, wide MLA heads)."""
     if "__cudnn$fmha" in text:
         return "cudnn"
     if "splash" in text and "tpu_custom_call" in text:
@@ -236,7 +237,8 @@ def attention_kernel(cfg: RunConfig, mesh, text: str, platform: str) -> str:
     if ways(mesh, sharding.spec_for(("seq",), cfg.rules, mesh)[0]) > 1:
         return "ring"
     from models import attention
-    return attention.resolve(cfg.model.attention, platform)
+    chosen = attention.resolve(cfg.model.attention, platform)
+    return "chunked" if chosen in ("cudnn", "splash") else chosen  # a kernel absent from the program: auto fell back
 
 
 def host_bytes(prog: step_lib.Program) -> dict[str, int]:
