@@ -72,13 +72,16 @@ def test_cudnn_fused_attention_is_read_from_the_gpu_program():
     assert r["flops_per_device"] > 0 and r["bytes_accessed_per_device"] > 0  # from the HLO: no cost analysis
 
 
-def test_cudnn_fused_attention_runs_inside_a_pipeline_schedule():
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zero_bubble", marks=pytest.mark.slow),
+                                      pytest.param("interleaved_1f1b", marks=pytest.mark.slow)])
+def test_cudnn_fused_attention_runs_inside_a_pipeline_schedule(schedule):
     """Inside the pipeline's shard_map (manual over `pipeline`; every schedule's) cuDNN attention runs on each
     device's shards: XLA:GPU's custom partitioner of it cannot read a partly manual sharding (it failed to
     compile)."""
     cfg = config.load(None, [*TINY, "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2", "data.seq_len=128",
                              "model.n_layers=4", "model.attention=cudnn", "train.compute_dtype=bfloat16",
-                             "mesh.fsdp=4", "mesh.pipeline=2", "train.pipeline.schedule=1f1b",
+                             "mesh.fsdp=4", "mesh.pipeline=2", f"train.pipeline.schedule={schedule}",
+                             "train.pipeline.repeats=2" if schedule == "interleaved_1f1b" else "train.pipeline.repeats=1",
                              "train.pipeline.microbatches=2", "hardware.chip=h100"])
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, planner.target(cfg, 8)[0]))
     compiled, _ = planner.compile_program(prog)
