@@ -85,6 +85,26 @@ def test_cudnn_fused_attention_runs_inside_a_pipeline_schedule():
     assert "__cudnn$fmha" in compiled.as_text()
 
 
+GPT_OSS_LIKE = [*TINY, "model.name=gpt_oss", "model.d_model=128", "model.n_heads=4", "model.n_kv_heads=2",
+                "data.seq_len=128", "model.attn_sinks=true", "model.sliding_window=64",
+                "model.layer_pattern=[local,global]", "train.compute_dtype=bfloat16", "hardware.chip=h100"]
+
+
+@pytest.mark.parametrize("parallel", [["mesh.fsdp=4", "mesh.tensor=2"],
+                                      ["model.n_layers=4", "mesh.fsdp=4", "mesh.pipeline=2",
+                                       "train.pipeline.schedule=1f1b", "train.pipeline.microbatches=2"]],
+                         ids=["fsdp_tensor", "pipeline"])
+def test_cudnn_attention_with_sinks_compiles_for_h100(parallel):
+    """A gpt-oss-like model (sinks, sliding and full layers, GQA) with `auto` attention: cuDNN's fused
+    attention forward and backward (sinks by the kernel's logsumexp), with the heads and their sinks
+    over `tensor`, and per shard inside a pipeline stage."""
+    cfg = config.load(None, [*GPT_OSS_LIKE, *parallel, "model.attention=auto"])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, planner.target(cfg, 8)[0]))
+    text = planner.compile_program(prog)[0].as_text()
+    assert "__cudnn$fmhaSoftmaxBackward" in text or "__cudnn$fmhaScaleBiasSoftmaxBackward" in text
+    assert "__cudnn$fmha" in text.replace("Backward", "")
+
+
 def test_two_nodes_put_the_dcn_axis_across_nodes_at_inter_node_bandwidth():
     cfg = config.load(None, [*SMALL, "data.seq_len=128", "mesh.fsdp=8", "mesh.dcn.data=2", "hardware.chip=h100"])
     devices, chip = planner.target(cfg, 16, topology_flag="2x8")
