@@ -123,8 +123,8 @@ def cudnn_per_shard(q_bthe, k_btke, v_btke, segment_ids_bt, *, constrain, window
         return o.reshape(q_btkge.shape)
     names_q, names_kv = ("batch", None, "kv_heads", None, None), ("batch", None, "kv_heads", None)
     sinks = () if sinks_h is None else (sinks_h.reshape(k_heads, h // k_heads),)
-    run = constrain.shard_map(local, (names_q, names_kv, names_kv, ("batch", None), *((("kv_heads", None),) * len(sinks))),
-                              names_q)
+    names_in = (names_q, names_kv, names_kv, ("batch", None), *((("kv_heads", None),) * len(sinks)))
+    run = constrain.shard_map(local, names_in, names_q)
     return run(q_bthe.reshape(b, t, k_heads, h // k_heads, e), k_btke, v_btke, seg_bt, *sinks).reshape(b, t, h, e)
 
 
@@ -136,35 +136,34 @@ def with_sinks_by_logsumexp(q_bthe, k_btke, v_btke, sinks_h, segment_ids_bt=None
     o * s, s = sigmoid(lse - sink). A custom VJP, because cuDNN's drops the logsumexp's cotangent:
     d_out * s goes into the kernel's own backward; ds = d_out . o gives d_lse = ds s (1 - s) and
     d_sink = -sum d_lse; the logsumexp's gradient into q and k (d lse_i / d score_ij = P_ij) is the
-    VJP of `chunked_logsumexp`, one query chunk of scores at a time, under the same masks."""
-    mask = None
-    if segment_ids_bt is not None:
-        mask = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]  # (B, 1, T, T)
-
-    def attention_and_lse(q_bthe, k_btke, v_btke):
+    VJP of `chunked_logsumexp`, one query chunk of scores at a time, under the same masks. (Arrays
+    enter as arguments: a custom VJP closing over a tracer of an enclosing scan fails to lower.)"""
+    def attention_and_lse(q_bthe, k_btke, v_btke, seg_bt):
+        mask = None if seg_bt is None else (seg_bt[:, :, None] == seg_bt[:, None, :])[:, None]  # (B, 1, T, T)
         return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True, implementation=impl,
                                             scale=scale, local_window_size=None if window is None else (window - 1, 0),
                                             return_residual=True)
 
-    def forward(q_bthe, k_btke, v_btke, sinks_h):
-        (o_bthe, lse_bth), kernel_vjp = jax.vjp(attention_and_lse, q_bthe, k_btke, v_btke)
+    def forward(q_bthe, k_btke, v_btke, sinks_h, seg_bt):
+        (o_bthe, lse_bth), kernel_vjp = jax.vjp(functools.partial(attention_and_lse, seg_bt=seg_bt), q_bthe, k_btke,
+                                                v_btke)
         s_bth = jax.nn.sigmoid(lse_bth.astype(jnp.float32) - sinks_h.astype(jnp.float32))
         out_bthe = (o_bthe.astype(jnp.float32) * s_bth[..., None]).astype(o_bthe.dtype)
-        return out_bthe, (q_bthe, k_btke, o_bthe, lse_bth, s_bth, kernel_vjp, sinks_h)
+        return out_bthe, (q_bthe, k_btke, o_bthe, lse_bth, s_bth, kernel_vjp, sinks_h, seg_bt)
 
     def backward(res, d_out_bthe):
-        q_bthe, k_btke, o_bthe, lse_bth, s_bth, kernel_vjp, sinks_h = res
+        q_bthe, k_btke, o_bthe, lse_bth, s_bth, kernel_vjp, sinks_h, seg_bt = res
         d_out_bthe = d_out_bthe.astype(jnp.float32)
         dq, dk, dv = kernel_vjp(((d_out_bthe * s_bth[..., None]).astype(o_bthe.dtype), jnp.zeros_like(lse_bth)))
         d_lse_bth = (d_out_bthe * o_bthe.astype(jnp.float32)).sum(-1) * s_bth * (1 - s_bth)
-        _, lse_vjp = jax.vjp(functools.partial(chunked_logsumexp, segment_ids_bt=segment_ids_bt, window=window,
+        _, lse_vjp = jax.vjp(functools.partial(chunked_logsumexp, segment_ids_bt=seg_bt, window=window,
                                                scale=scale), q_bthe, k_btke)
         dq_lse, dk_lse = lse_vjp(d_lse_bth)
-        return (add_as(dq, dq_lse), add_as(dk, dk_lse), dv, (-d_lse_bth.sum((0, 1))).astype(sinks_h.dtype))
+        return (add_as(dq, dq_lse), add_as(dk, dk_lse), dv, (-d_lse_bth.sum((0, 1))).astype(sinks_h.dtype), None)
 
     run = jax.custom_vjp(lambda *args: forward(*args)[0])
     run.defvjp(forward, backward)
-    return run(q_bthe, k_btke, v_btke, sinks_h)
+    return run(q_bthe, k_btke, v_btke, sinks_h, segment_ids_bt)
 
 
 def add_as(x, y):
