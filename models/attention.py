@@ -12,7 +12,8 @@ document; None means one document per row. `window` W (sliding-window attention,
 `attention_chunk` C (Llama 4) lets it see only the earlier keys of its aligned chunk of C positions,
 as segment ids (`chunk_segments`), under every implementation. `sinks_h` (H,)
 (gpt-oss's attention sinks) adds exp(sink_h) to every softmax denominator of head h, as a key of
-that logit with a zero value would: the online softmax below starts from it, splash's kernel takes it.
+that logit with a zero value would: the online softmax below starts from it, splash's kernel takes it,
+cuDNN's output is scaled by sigmoid(lse - sink_h) (lse: its logsumexp without the sink).
 
 - `xla`: `jax.nn.dot_product_attention`, which materialises the B x H x T x T scores. The reference;
   fastest on CPU at short T. A window is its `local_window_size` (W - 1, 0). With a soft cap or
@@ -26,8 +27,10 @@ that logit with a zero value would: the online softmax below starts from it, spl
   per key head with its G query heads (MQA form, no repeat of k/v), in a `shard_map` over the batch
   and kv-head axes. TPU (tests run it with `interpret=True` on CPU).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (flash attention; a window is
-  cuDNN's sliding_window_length W). NVIDIA GPU. No soft cap and no sinks: asking for one is an error.
-- `auto`: splash on TPU, cudnn on GPU (chunked for float32, a soft cap or sinks), xla on CPU.
+  cuDNN's sliding_window_length W). NVIDIA GPU. Its kernel has no sinks: with them it runs without
+  and returns its softmax's logsumexp, and `with_sinks_by_logsumexp` rescales the output (a custom
+  VJP; the logsumexp's gradient by XLA in query chunks). No soft cap: asking for one is an error.
+- `auto`: splash on TPU, cudnn on GPU (chunked for float32 or a soft cap), xla on CPU.
 - ring (context parallelism): when the trainer splits the sequence over devices
   (`constrain.size("seq") > 1`), every implementation runs as ring attention (below); `xla`
   computes each ring step's block whole, the others in chunks like `chunked`.
