@@ -44,6 +44,7 @@ the whole arrays on the default backend. The model never sees the mesh.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -159,7 +160,8 @@ def with_sinks_by_logsumexp(q_bthe, k_btke, v_btke, sinks_h, segment_ids_bt=None
         d_out_bthe = d_out_bthe.astype(jnp.float32)
         dq, dk, dv = kernel_vjp(((d_out_bthe * s_bth[..., None]).astype(o_bthe.dtype), jnp.zeros_like(lse_bth)))
         d_lse_bth = (d_out_bthe * o_bthe.astype(jnp.float32)).sum(-1) * s_bth * (1 - s_bth)
-        _, lse_vjp = jax.vjp(functools.partial(chunked_logsumexp, segment_ids_bt=seg_bt, window=window,
+        chunk = math.gcd(q_bthe.shape[1], CHUNK)  # cuDNN takes any length; chunks must divide it
+        _, lse_vjp = jax.vjp(functools.partial(chunked_logsumexp, segment_ids_bt=seg_bt, chunk=chunk, window=window,
                                                scale=scale), q_bthe, k_btke)
         dq_lse, dk_lse = lse_vjp(d_lse_bth)
         return (add_as(dq, dq_lse), add_as(dk, dk_lse), dv, (-d_lse_bth.sum((0, 1))).astype(sinks_h.dtype), None)

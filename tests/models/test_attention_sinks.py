@@ -95,12 +95,14 @@ def test_sinks_in_the_kv_cache_path():
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 50])
-def test_sinks_by_the_kernels_logsumexp_equal_the_xla_path(window):
+@pytest.mark.parametrize("window, chunk", [(None, 512), (50, 512), (50, 48)])
+def test_sinks_by_the_kernels_logsumexp_equal_the_xla_path(window, chunk, monkeypatch):
     """cuDNN's path (`with_sinks_by_logsumexp`: o * sigmoid(lse - sink) with its own VJP) with the xla
     implementation standing in for cuDNN's kernel (same (o, lse) and a VJP that ignores lse's
     cotangent, as cuDNN's does): outputs and gradients of q, k, v and the sinks equal the xla path's,
-    GQA over packed documents (ids traced, as in training), causal and with a window."""
+    GQA over packed documents (ids traced, as in training), causal and with a window; with a chunk
+    of 48 the logsumexp's gradient runs in chunks of 16 (gcd with T = 128)."""
+    monkeypatch.setattr(attention, "CHUNK", chunk)
     (q, k, v, seg), _, _ = xla_and_reference()
 
     def run(impl):
