@@ -12,7 +12,8 @@ document; None means one document per row. `window` W (sliding-window attention,
 `attention_chunk` C (Llama 4) lets it see only the earlier keys of its aligned chunk of C positions,
 as segment ids (`chunk_segments`), under every implementation. `sinks_h` (H,)
 (gpt-oss's attention sinks) adds exp(sink_h) to every softmax denominator of head h, as a key of
-that logit with a zero value would: the online softmax below starts from it, splash's kernel takes it.
+that logit with a zero value would: the online softmax below starts from it, splash's kernel takes it,
+cuDNN's output is scaled by sigmoid(lse - sink_h) (lse: its logsumexp without the sink).
 
 - `xla`: `jax.nn.dot_product_attention`, which materialises the B x H x T x T scores. The reference;
   fastest on CPU at short T. A window is its `local_window_size` (W - 1, 0). With a soft cap or
@@ -26,8 +27,10 @@ that logit with a zero value would: the online softmax below starts from it, spl
   per key head with its G query heads (MQA form, no repeat of k/v), in a `shard_map` over the batch
   and kv-head axes. TPU (tests run it with `interpret=True` on CPU).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (flash attention; a window is
-  cuDNN's sliding_window_length W). NVIDIA GPU. No soft cap and no sinks: asking for one is an error.
-- `auto`: splash on TPU, cudnn on GPU (chunked for float32, heads over 128 channels, a soft cap or sinks), xla on CPU.
+  cuDNN's sliding_window_length W). NVIDIA GPU. Its kernel has no sinks: with them it runs without
+  and returns its softmax's logsumexp, and `with_sinks_by_logsumexp` rescales the output (a custom
+  VJP; the logsumexp's gradient by XLA in query chunks). No soft cap: asking for one is an error.
+- `auto`: splash on TPU, cudnn on GPU (chunked for float32, heads over 128 channels or a soft cap), xla on CPU.
 - ring (context parallelism): when the trainer splits the sequence over devices
   (`constrain.size("seq") > 1`), every implementation runs as ring attention (below); `xla`
   computes each ring step's block whole, the others in chunks like `chunked`.
@@ -41,6 +44,7 @@ the whole arrays on the default backend. The model never sees the mesh.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -79,13 +83,11 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
     host) or else the default backend; splash off TPU runs interpreted (CPU tests)."""
     platform = getattr(constrain, "platform", None) or jax.default_backend()
     if impl == "auto" and resolve(impl, platform) == "cudnn" and (q_bthe.dtype not in CUDNN_DTYPES or softcap
-                                                                  or sinks_h is not None
                                                                   or q_bthe.shape[-1] > CUDNN_MAX_HEAD_DIM):
-        impl = "chunked"  # cuDNN's fused attention: half-precision inputs only, heads up to 128, no soft cap or sinks
+        impl = "chunked"  # cuDNN's fused attention: half-precision inputs only, heads up to 128, no soft cap
     impl = resolve(impl, platform)
-    if impl == "cudnn" and (softcap is not None or sinks_h is not None):
-        raise ValueError("cudnn attention has no soft cap (model.attn_softcap) or sinks (model.attn_sinks); "
-                         "use chunked")
+    if impl == "cudnn" and softcap is not None:
+        raise ValueError("cudnn attention has no soft cap (model.attn_softcap); use chunked")
     scale = q_bthe.shape[-1] ** -0.5 if scale is None else scale
     if attention_chunk is not None:
         segment_ids_bt = chunk_segments(segment_ids_bt, positions_bt, q_bthe.shape[:2], attention_chunk)
@@ -97,7 +99,10 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
         return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, chunk=None, window=window, scale=scale, softcap=softcap,
                        sinks_h=sinks_h)
     if impl == "cudnn" and constrain is not None and jax.sharding.get_abstract_mesh().manual_axes:
-        return cudnn_per_shard(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, window=window, scale=scale)
+        return cudnn_per_shard(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, window=window, scale=scale,
+                               sinks_h=sinks_h)
+    if impl == "cudnn" and sinks_h is not None:
+        return with_sinks_by_logsumexp(q_bthe, k_btke, v_btke, sinks_h, segment_ids_bt, window=window, scale=scale)
     if impl == "xla" or impl == "cudnn":
         mask = None
         if segment_ids_bt is not None:
@@ -111,20 +116,67 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
                   window=window, scale=scale, softcap=softcap, sinks_h=sinks_h)
 
 
-def cudnn_per_shard(q_bthe, k_btke, v_btke, segment_ids_bt, *, constrain, window, scale):
-    """cuDNN attention on each device's shards (batch, key heads), for a partly manual shard_map (the
-    pipeline's), where XLA:GPU's custom partitioner of cuDNN attention cannot read the shardings."""
+def cudnn_per_shard(q_bthe, k_btke, v_btke, segment_ids_bt, *, constrain, window, scale, sinks_h=None):
+    """cuDNN attention on each device's shards (batch, key heads; the sinks of their query heads), for a
+    partly manual shard_map (the pipeline's), where XLA:GPU's custom partitioner of cuDNN attention
+    cannot read the shardings."""
     b, t, h, e = q_bthe.shape
     k_heads = k_btke.shape[2]
     seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
 
-    def local(shard, q_btkge, k_btke, v_btke, seg_bt):  # attend's own cuDNN call, on local shapes
+    def local(shard, q_btkge, k_btke, v_btke, seg_bt, sinks_kg=None):  # attend's own cuDNN call, on local shapes
         o = attend(q_btkge.reshape(*q_btkge.shape[:2], -1, e), k_btke, v_btke, segment_ids_bt=seg_bt, impl="cudnn",
-                   window=window, scale=scale)
+                   window=window, scale=scale, sinks_h=None if sinks_kg is None else sinks_kg.reshape(-1))
         return o.reshape(q_btkge.shape)
     names_q, names_kv = ("batch", None, "kv_heads", None, None), ("batch", None, "kv_heads", None)
-    run = constrain.shard_map(local, (names_q, names_kv, names_kv, ("batch", None)), names_q)
-    return run(q_bthe.reshape(b, t, k_heads, h // k_heads, e), k_btke, v_btke, seg_bt).reshape(b, t, h, e)
+    sinks = () if sinks_h is None else (sinks_h.reshape(k_heads, h // k_heads),)
+    names_in = (names_q, names_kv, names_kv, ("batch", None), *((("kv_heads", None),) * len(sinks)))
+    run = constrain.shard_map(local, names_in, names_q)
+    return run(q_bthe.reshape(b, t, k_heads, h // k_heads, e), k_btke, v_btke, seg_bt, *sinks).reshape(b, t, h, e)
+
+
+def with_sinks_by_logsumexp(q_bthe, k_btke, v_btke, sinks_h, segment_ids_bt=None, *, window=None, scale,
+                            impl: str = "cudnn"):
+    """Attention with sinks from a kernel without them that returns its softmax's logsumexp (cuDNN's
+    `return_residual`; `impl` the `jax.nn.dot_product_attention` implementation, `xla` in CPU tests):
+    with o the attention without sinks and lse its (B, T, H) logsumexp, the attention with sinks is
+    o * s, s = sigmoid(lse - sink). A custom VJP, because cuDNN's drops the logsumexp's cotangent:
+    d_out * s goes into the kernel's own backward; ds = d_out . o gives d_lse = ds s (1 - s) and
+    d_sink = -sum d_lse; the logsumexp's gradient into q and k (d lse_i / d score_ij = P_ij) is the
+    VJP of `chunked_logsumexp`, one query chunk of scores at a time, under the same masks. (Arrays
+    enter as arguments: a custom VJP closing over a tracer of an enclosing scan fails to lower.)"""
+    def attention_and_lse(q_bthe, k_btke, v_btke, seg_bt):
+        mask = None if seg_bt is None else (seg_bt[:, :, None] == seg_bt[:, None, :])[:, None]  # (B, 1, T, T)
+        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True, implementation=impl,
+                                            scale=scale, local_window_size=None if window is None else (window - 1, 0),
+                                            return_residual=True)
+
+    def forward(q_bthe, k_btke, v_btke, sinks_h, seg_bt):
+        (o_bthe, lse_bth), kernel_vjp = jax.vjp(functools.partial(attention_and_lse, seg_bt=seg_bt), q_bthe, k_btke,
+                                                v_btke)
+        s_bth = jax.nn.sigmoid(lse_bth.astype(jnp.float32) - sinks_h.astype(jnp.float32))
+        out_bthe = (o_bthe.astype(jnp.float32) * s_bth[..., None]).astype(o_bthe.dtype)
+        return out_bthe, (q_bthe, k_btke, o_bthe, lse_bth, s_bth, kernel_vjp, sinks_h, seg_bt)
+
+    def backward(res, d_out_bthe):
+        q_bthe, k_btke, o_bthe, lse_bth, s_bth, kernel_vjp, sinks_h, seg_bt = res
+        d_out_bthe = d_out_bthe.astype(jnp.float32)
+        dq, dk, dv = kernel_vjp(((d_out_bthe * s_bth[..., None]).astype(o_bthe.dtype), jnp.zeros_like(lse_bth)))
+        d_lse_bth = (d_out_bthe * o_bthe.astype(jnp.float32)).sum(-1) * s_bth * (1 - s_bth)
+        chunk = math.gcd(q_bthe.shape[1], CHUNK)  # cuDNN takes any length; chunks must divide it
+        _, lse_vjp = jax.vjp(functools.partial(chunked_logsumexp, segment_ids_bt=seg_bt, chunk=chunk, window=window,
+                                               scale=scale), q_bthe, k_btke)
+        dq_lse, dk_lse = lse_vjp(d_lse_bth)
+        return (add_as(dq, dq_lse), add_as(dk, dk_lse), dv, (-d_lse_bth.sum((0, 1))).astype(sinks_h.dtype), None)
+
+    run = jax.custom_vjp(lambda *args: forward(*args)[0])
+    run.defvjp(forward, backward)
+    return run(q_bthe, k_btke, v_btke, sinks_h, segment_ids_bt)
+
+
+def add_as(x, y):
+    """x + y in float32, in x's dtype."""
+    return (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(x.dtype)
 
 
 def chunk_segments(segment_ids_bt, positions_bt, bt, chunk: int):
@@ -205,7 +257,7 @@ def fold_block(q_bqkge, pos_q_bq, seg_q_bq, k_bske, v_bske, pos_k_bs, seg_k_bs, 
 
     def merge(x, axis):  # (N, .., c, ..) -> (.., N c, ..)
         x = jnp.moveaxis(x, 0, axis)
-        return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+        return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
     return merge(out[0], 3), merge(out[1], 3), merge(out[2], 1)
 
 
@@ -243,6 +295,24 @@ def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int | None = CHU
     (chunk None: the whole sequence at once). With a window, query chunk i reads only key chunks
     i - R + 1 .. i (R = the chunks a window reaches; clamped at the first chunk, the extra keys are
     masked as future ones)."""
+    carry = chunked_softmax(q_bthe, k_btke, v_btke, segment_ids_bt, chunk, window, scale, softcap, sinks_h)
+    return normalised(carry, q_bthe.dtype)
+
+
+def chunked_logsumexp(q_bthe, k_btke, segment_ids_bt=None, chunk: int | None = CHUNK, window: int | None = None,
+                      scale: float | None = None):
+    """(B, T, H) float32 logsumexp of each query's scaled, masked scores (no sinks, no cap): `chunked`'s
+    online softmax over keys without values (zero-width), so never more than a chunk x chunk block of
+    scores per head, and the same masks."""
+    v_bsk0 = jnp.zeros((*k_btke.shape[:3], 0), k_btke.dtype)
+    m_bkgt, l_bkgt, _ = chunked_softmax(q_bthe, k_btke, v_bsk0, segment_ids_bt, chunk, window, scale)
+    b, k_heads, g, t = m_bkgt.shape
+    return (m_bkgt + jnp.log(l_bkgt)).transpose(0, 3, 1, 2).reshape(b, t, k_heads * g)
+
+
+def chunked_softmax(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int | None = CHUNK,
+                    window: int | None = None, scale: float | None = None, softcap: float | None = None, sinks_h=None):
+    """`chunked`'s online softmax carry (m, l, acc) after every key, not yet normalised."""
     b, t, h, e = q_bthe.shape
     k_heads, g = k_btke.shape[2], h // k_btke.shape[2]
     seg_bt = jnp.zeros((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
@@ -251,9 +321,8 @@ def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int | None = CHU
     c = min(chunk or t, t)
     reach = t if window is None else (-(-(window - 1) // c) + 1) * c  # keys one query chunk reads
     if reach >= t:
-        carry = fold_block(q_btkge, pos_bt, seg_bt, k_btke, v_btke, pos_bt, seg_bt,
-                           empty_carry(b, t, k_heads, g, e, sinks_h), chunk, window, softcap)
-        return normalised(carry, q_bthe.dtype)
+        return fold_block(q_btkge, pos_bt, seg_bt, k_btke, v_btke, pos_bt, seg_bt,
+                          empty_carry(b, t, k_heads, g, v_btke.shape[-1], sinks_h), chunk, window, softcap)
     if t % c:
         raise ValueError(f"chunked attention: sequence length {t} is not a multiple of the chunk {c}")
 
@@ -263,12 +332,11 @@ def chunked(q_bthe, k_btke, v_btke, segment_ids_bt=None, chunk: int | None = CHU
         first_key = jnp.maximum((i + 1) * c - reach, 0)
         keys = (rows(x, first_key, reach) for x in (k_btke, v_btke, pos_bt, seg_bt))
         return fold_block(rows(q_btkge, i * c, c), rows(pos_bt, i * c, c), rows(seg_bt, i * c, c), *keys,
-                          empty_carry(b, c, k_heads, g, e, sinks_h), c, window, softcap)
+                          empty_carry(b, c, k_heads, g, v_btke.shape[-1], sinks_h), c, window, softcap)
 
-    _, l_nbkgc, acc_nbckge = jax.lax.map(query_chunk, jnp.arange(t // c))
-    l_bkgt = jnp.moveaxis(l_nbkgc, 0, 3).reshape(b, k_heads, g, t)
-    acc_btkge = jnp.moveaxis(acc_nbckge, 0, 1).reshape(b, t, k_heads, g, e)
-    return normalised((None, l_bkgt, acc_btkge), q_bthe.dtype)
+    m_nbkgc, l_nbkgc, acc_nbckge = jax.lax.map(query_chunk, jnp.arange(t // c))
+    m_bkgt, l_bkgt = (jnp.moveaxis(x, 0, 3).reshape(b, k_heads, g, t) for x in (m_nbkgc, l_nbkgc))
+    return m_bkgt, l_bkgt, jnp.moveaxis(acc_nbckge, 0, 1).reshape(b, t, k_heads, g, v_btke.shape[-1])
 
 
 # ----------------------------------------------------------------------------- splash (TPU)

@@ -250,9 +250,6 @@ def validate_model(m: ModelConfig) -> None:
     if m.attn_softcap is not None and m.attention == "cudnn":
         raise ConfigError("model.attention=cudnn cannot soft-cap attention scores (model.attn_softcap); "
                           "use attention=chunked or auto on a GPU")
-    if m.attn_sinks and m.attention == "cudnn":
-        raise ConfigError("model.attention=cudnn has no attention sinks (model.attn_sinks); "
-                          "use attention=chunked or auto on a GPU")
     validate_moe(m.moe, m.n_layers)
     if m.mla is not None and m.n_kv_heads != m.n_heads:
         raise ConfigError(f"model.mla: latent attention has a key and value per head; set model.n_kv_heads="

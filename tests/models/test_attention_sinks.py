@@ -1,8 +1,8 @@
 """Attention sinks (gpt-oss): every attention implementation, with sinks on, equals the xla path and an
 explicit softmax whose denominator holds exp(sink) (outputs, and the gradients of q, k, v and the
 sinks), over packed documents and a sliding window; splash in the Pallas interpreter, ring attention
-over 4 devices, the KV-cache path; cuDNN, which cannot take sinks, is refused and `auto` on a GPU
-runs chunked instead."""
+over 4 devices, the KV-cache path; cuDNN's path (the kernel's logsumexp and a custom VJP) with the xla kernel
+standing in for cuDNN's on CPU."""
 
 import functools
 import os
@@ -95,16 +95,56 @@ def test_sinks_in_the_kv_cache_path():
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_cudnn_takes_no_sinks_and_auto_on_a_gpu_runs_chunked():
-    q, k, v = qkv(7, t=T)
-    with pytest.raises(ValueError, match="cudnn attention has no soft cap .* or sinks"):
-        attention.attend(q, k, v, impl="cudnn", sinks_h=SINKS)
-    with pytest.raises(config.ConfigError, match="model.attention=cudnn has no attention sinks"):
-        config.load(None, ["model.attn_sinks=true", "model.attention=cudnn"])
+@pytest.mark.parametrize("window, chunk", [(None, 512), (50, 512), (50, 48)])
+def test_sinks_by_the_kernels_logsumexp_equal_the_xla_path(window, chunk, monkeypatch):
+    """cuDNN's path (`with_sinks_by_logsumexp`: o * sigmoid(lse - sink) with its own VJP) with the xla
+    implementation standing in for cuDNN's kernel (same (o, lse) and a VJP that ignores lse's
+    cotangent, as cuDNN's does): outputs and gradients of q, k, v and the sinks equal the xla path's,
+    GQA over packed documents (ids traced, as in training), causal and with a window; with a chunk
+    of 48 the logsumexp's gradient runs in chunks of 16 (gcd with T = 128)."""
+    monkeypatch.setattr(attention, "CHUNK", chunk)
+    (q, k, v, seg), _, _ = xla_and_reference()
+
+    def run(impl):
+        def loss(q, k, v, s, seg):
+            if impl == "xla":
+                o = attention.attend(q, k, v, segment_ids_bt=seg, impl="xla", window=window, sinks_h=s)
+            else:
+                o = attention.with_sinks_by_logsumexp(q, k, v, s, seg, window=window, scale=q.shape[-1] ** -0.5,
+                                                      impl="xla")
+            return (o ** 2).sum(), o
+        (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, SINKS, seg)
+        return o, grads
+    assert_same(run("by_logsumexp"), run("xla"))
+
+
+def test_chunked_logsumexp_equals_the_xla_kernels():
+    """Chunks of 32 under a window of 50 and packed documents: the logsumexp the custom VJP differentiates."""
+    (q, k, v, seg), _, _ = xla_and_reference()
+    mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+    _, want = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=(49, 0),
+                                           return_residual=True)
+    got = attention.chunked_logsumexp(q, k, seg, chunk=32, window=50)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-6)
+
+
+def test_cudnn_takes_sinks_and_auto_on_a_gpu_picks_it(monkeypatch):
+    """`auto` on a GPU runs cuDNN for a model with sinks (half precision), through `with_sinks_by_logsumexp`;
+    a soft cap stays an error (cuDNN's kernel has none)."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(7, t=T))
+    config.load(None, ["model.attn_sinks=true", "model.attention=cudnn", "train.compute_dtype=bfloat16"])  # no error
+    with pytest.raises(ValueError, match="cudnn attention has no soft cap"):
+        attention.attend(q, k, v, impl="cudnn", softcap=30.0)
+    calls, by_logsumexp = [], attention.with_sinks_by_logsumexp
+
+    def xla_for_cudnn(*args, **kwargs):  # no cuDNN on CPU
+        calls.append(kwargs)
+        return by_logsumexp(*args, **kwargs, impl="xla")
+    monkeypatch.setattr(attention, "with_sinks_by_logsumexp", xla_for_cudnn)
     gpu = type("OnGpu", (), {"platform": "gpu", "size": staticmethod(lambda axis: 1)})()
-    got = attention.attend(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), impl="auto",
-                           constrain=gpu, sinks_h=SINKS)
-    want = reference(*(x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v)), SINKS)
+    got = attention.attend(q, k, v, impl="auto", constrain=gpu, sinks_h=SINKS)
+    assert len(calls) == 1
+    want = reference(*(x.astype(jnp.float32) for x in (q, k, v)), SINKS)
     np.testing.assert_allclose(got.astype(jnp.float32), want, atol=2e-2)
 
 

@@ -81,11 +81,33 @@ def test_cudnn_fused_attention_runs_inside_a_pipeline_schedule(schedule):
     cfg = config.load(None, [*TINY, "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2", "data.seq_len=128",
                              "model.n_layers=4", "model.attention=cudnn", "train.compute_dtype=bfloat16",
                              "mesh.fsdp=4", "mesh.pipeline=2", f"train.pipeline.schedule={schedule}",
-                             "train.pipeline.repeats=2" if schedule == "interleaved_1f1b" else "train.pipeline.repeats=1",
+                             f"train.pipeline.repeats={2 if schedule == 'interleaved_1f1b' else 1}",
                              "train.pipeline.microbatches=2", "hardware.chip=h100"])
     prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, planner.target(cfg, 8)[0]))
     compiled, _ = planner.compile_program(prog)
     assert "__cudnn$fmha" in compiled.as_text()
+
+
+GPT_OSS_LIKE = [*TINY, "model.name=gpt_oss", "model.d_model=128", "model.n_heads=4", "model.n_kv_heads=2",
+                "data.seq_len=128", "model.attn_sinks=true", "model.sliding_window=64",
+                "model.layer_pattern=[local,global]", "train.compute_dtype=bfloat16", "hardware.chip=h100"]
+
+
+@pytest.mark.parametrize("parallel", [["mesh.fsdp=4", "mesh.tensor=2"],
+                                      pytest.param(["model.n_layers=4", "mesh.fsdp=4", "mesh.pipeline=2",
+                                                    "train.pipeline.schedule=1f1b", "train.pipeline.microbatches=2"],
+                                                   marks=pytest.mark.slow)],
+                         ids=["fsdp_tensor", "pipeline"])
+def test_cudnn_attention_with_sinks_compiles_for_h100(parallel):
+    """A gpt-oss-like model (sinks, sliding and full layers, GQA) with `auto` attention: cuDNN's fused
+    attention forward and backward (sinks by the kernel's logsumexp), with the heads and their sinks
+    over `tensor`, and per shard inside a pipeline stage."""
+    cfg = config.load(None, [*GPT_OSS_LIKE, *parallel, "model.attention=auto"])
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, planner.target(cfg, 8)[0]))
+    compiled, seconds = planner.compile_program(prog)
+    kernels = set(re.findall(r'custom_call_target="__cudnn\$fmha(\w*)"', compiled.as_text()))
+    assert {"Softmax", "SoftmaxBackward"} <= kernels or {"ScaleBiasSoftmax", "ScaleBiasSoftmaxBackward"} <= kernels
+    assert planner.report(prog, compiled, H100, seconds)["attention_kernel"] == "cudnn"
 
 
 def test_two_nodes_put_the_dcn_axis_across_nodes_at_inter_node_bandwidth():
