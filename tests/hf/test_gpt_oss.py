@@ -1,4 +1,4 @@
-"""gpt-oss (GptOssForCausalLM): logits and greedy tokens equal transformers', import -> export is
+"""gpt-oss (GptOssForCausalLM): greedy tokens equal transformers' (logits: test_hf_parity.py), import -> export is
 bit-exact, and its MXFP4 expert weights are dequantized on import.
 
 The fixture (tests/fixtures/make_hf_fixtures.py): 3 layers, sliding (window 6) / full / sliding,
@@ -19,18 +19,6 @@ from shardtrain.hf.config import model_config
 from shardtrain.hf.io import HfDir
 
 GPT_OSS = FIXTURES / "gpt_oss"
-
-
-def test_gpt_oss_logits_equal_transformers_on_2x2x2_mesh_and_one_device():
-    ref, want = reference("gpt_oss")
-    source = weights.find(GPT_OSS)
-    tokens = np.tile(np.array(ref["tokens"], np.int32), (2, 1))
-    sharded = our_logits(source, tokens, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"])[:2]
-    single = our_logits(source, tokens[:2], [], devices=jax.devices()[:1])
-    # float32 in torch's order against XLA's (measured 2.6e-5 on one device, 1.9e-5 on 2x2x2; logits up to 7.8)
-    assert np.abs(single - want).max() < 1e-4
-    assert np.abs(sharded - want).max() < 1e-4
-    assert np.abs(sharded - single).max() < 1e-5 * np.abs(want).max()
 
 
 def test_gpt_oss_greedy_generation_equals_transformers():

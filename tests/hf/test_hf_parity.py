@@ -15,13 +15,15 @@ from hf_reference import FAMILIES, FIXTURES, MOE_FAMILIES, our_logits, reference
 from shardtrain import cli, config, generate, weights
 from shardtrain.config import ConfigError
 
+SCALED_MOE = ["gpt_oss", "qwen3_next"]  # fixtures scaled to well-conditioned float32 logits (make_hf_fixtures.SCALES)
 
-@pytest.mark.parametrize("family", FAMILIES)
+
+@pytest.mark.parametrize("family", [*FAMILIES, *SCALED_MOE])
 def test_logits_equal_transformers_on_2x2x2_mesh_and_one_device(family):
     ref, want = reference(family)
     source = weights.find(FIXTURES / family)
     tokens = np.tile(np.array(ref["tokens"], np.int32), (2, 1))  # 4 rows: the batch splits over data x fsdp
-    split = "mesh.expert=2" if family in MOE_FAMILIES else "mesh.data=2"
+    split = "mesh.expert=2" if family in MOE_FAMILIES + SCALED_MOE else "mesh.data=2"
     sharded = our_logits(source, tokens, [split, "mesh.fsdp=2", "mesh.tensor=2"])[:2]
     single = our_logits(source, tokens[:2], [], devices=jax.devices()[:1])
     # float32 logits of two implementations (torch's, XLA's) in different accumulation orders; the
