@@ -274,11 +274,11 @@ def validate_linear_attention(m: ModelConfig) -> None:
     if m.rotary_fraction != 1.0 and a is None:
         raise ConfigError(f"model.rotary_fraction={m.rotary_fraction}: only model.name qwen3_next rotates part "
                           "of each head; set it to 1.0")
+    if a is None:
+        return
     if not 0 < m.rotary_fraction <= 1 or int(m.head_size * m.rotary_fraction) % 2:
         raise ConfigError(f"model.rotary_fraction={m.rotary_fraction} must be in (0, 1] and leave an even number "
                           f"of rotating channels of the head's {m.head_size}")
-    if a is None:
-        return
     for k in ("full_attention_interval", "key_heads", "value_heads", "key_head_dim", "value_head_dim",
               "conv_kernel", "chunk"):
         if getattr(a, k) < 1:
