@@ -104,16 +104,23 @@ def attend(q_bthe, k_btke, v_btke, *, segment_ids_bt=None, positions_bt=None, im
     if impl == "cudnn" and sinks_h is not None:
         return with_sinks_by_logsumexp(q_bthe, k_btke, v_btke, sinks_h, segment_ids_bt, window=window, scale=scale)
     if impl == "xla" or impl == "cudnn":
-        mask = None
-        if segment_ids_bt is not None:
-            mask = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]  # (B, 1, T, T)
-        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True, implementation=impl,
-                                            scale=scale, local_window_size=None if window is None else (window - 1, 0))
+        return dot_product(q_bthe, k_btke, v_btke, segment_ids_bt, impl=impl, window=window, scale=scale)
     if impl == "chunked":
         return chunked(q_bthe, k_btke, v_btke, segment_ids_bt, window=window, scale=scale, softcap=softcap,
                        sinks_h=sinks_h)
     return splash(q_bthe, k_btke, v_btke, segment_ids_bt, constrain=constrain, interpret=platform != "tpu",
                   window=window, scale=scale, softcap=softcap, sinks_h=sinks_h)
+
+
+def dot_product(q_bthe, k_btke, v_btke, segment_ids_bt, *, impl, window, scale, return_residual=False):
+    """`jax.nn.dot_product_attention` (`xla` or `cudnn`), causal, within documents and the window;
+    with return_residual, also its softmax's (B, T, H) logsumexp."""
+    mask = None
+    if segment_ids_bt is not None:
+        mask = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]  # (B, 1, T, T)
+    return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True, implementation=impl,
+                                        scale=scale, local_window_size=None if window is None else (window - 1, 0),
+                                        return_residual=return_residual)
 
 
 def cudnn_per_shard(q_bthe, k_btke, v_btke, segment_ids_bt, *, constrain, window, scale, sinks_h=None):
@@ -145,15 +152,10 @@ def with_sinks_by_logsumexp(q_bthe, k_btke, v_btke, sinks_h, segment_ids_bt=None
     d_sink = -sum d_lse; the logsumexp's gradient into q and k (d lse_i / d score_ij = P_ij) is the
     VJP of `chunked_logsumexp`, one query chunk of scores at a time, under the same masks. (Arrays
     enter as arguments: a custom VJP closing over a tracer of an enclosing scan fails to lower.)"""
-    def attention_and_lse(q_bthe, k_btke, v_btke, seg_bt):
-        mask = None if seg_bt is None else (seg_bt[:, :, None] == seg_bt[:, None, :])[:, None]  # (B, 1, T, T)
-        return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, mask=mask, is_causal=True, implementation=impl,
-                                            scale=scale, local_window_size=None if window is None else (window - 1, 0),
-                                            return_residual=True)
-
     def forward(q_bthe, k_btke, v_btke, sinks_h, seg_bt):
-        (o_bthe, lse_bth), kernel_vjp = jax.vjp(functools.partial(attention_and_lse, seg_bt=seg_bt), q_bthe, k_btke,
-                                                v_btke)
+        attention_and_lse = functools.partial(dot_product, segment_ids_bt=seg_bt, impl=impl, window=window,
+                                              scale=scale, return_residual=True)
+        (o_bthe, lse_bth), kernel_vjp = jax.vjp(attention_and_lse, q_bthe, k_btke, v_btke)
         s_bth = jax.nn.sigmoid(lse_bth.astype(jnp.float32) - sinks_h.astype(jnp.float32))
         out_bthe = (o_bthe.astype(jnp.float32) * s_bth[..., None]).astype(o_bthe.dtype)
         return out_bthe, (q_bthe, k_btke, o_bthe, lse_bth, s_bth, kernel_vjp, sinks_h, seg_bt)
