@@ -146,9 +146,9 @@ def loss_sums(cfg: RunConfig, mesh: Mesh, schedule, layout: sharding.ParamLayout
                 for k, w in outer.items()}
 
     def like_stage_weights(tree):
-        """A stage's block weights or their gradients, (..., Lg, ...) per leaf, split as the weights are
-        (FSDP, tensor). Left to propagation, the TPU compiler gathers a micro-batch's weight gradients
-        whole and all-reduces them."""
+        """A stage's block weight gradients, (..., Lg, ...) per leaf, split as the weights are (FSDP,
+        tensor). Left to propagation, the TPU compiler builds a micro-batch's weight gradients whole
+        and all-reduces them."""
         def one(names, w):
             return constrain(w, (None,) * (w.ndim - len(names) + 1) + tuple(names[1:]))
         return jax.tree.map(one, layout.names["blocks"], tree, is_leaf=lambda x: isinstance(x, tuple))
@@ -260,7 +260,7 @@ def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fw
         return run
 
     def add_group(d_staged, r, d_group):
-        return like_stage_weights(jax.tree.map(lambda a, b: a.at[r].add(b.astype(jnp.float32)), d_staged, d_group))
+        return jax.tree.map(lambda a, b: a.at[r].add(b.astype(jnp.float32)), d_staged, d_group)
 
     def backward(first):
         def run(r, m, x_in, ct_in, held, d_staged, d_outer, total):
@@ -317,7 +317,7 @@ def _run(table, graphdef, run_group, model_head_loss, compute_dtype, split_w, fw
     buf = jnp.zeros((v, window, *x_aval.shape), x_aval.dtype)
     held_buf = [jnp.zeros((v, window, *a.shape), a.dtype) for a in held_avals]
     carry = (buf, buf, held_buf, x_zero, x_zero,
-             like_stage_weights(f32_zeros(staged)), f32_zeros(outer), jnp.zeros((), jnp.float32))
+             f32_zeros(staged), f32_zeros(outer), jnp.zeros((), jnp.float32))
     carry = jax.lax.scan(slot, carry, jnp.arange(table.slots))[0]
     *_, d_staged, d_outer, total = carry
     d_outer = jax.lax.psum(d_outer, AXIS)
