@@ -145,6 +145,8 @@ def cmd_plan(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     if args.budget < 0:
         raise config_lib.ConfigError(f"--budget: must be >= 0 compiles (0: rank meshes only), got {args.budget}")
+    if args.meshes < 0:
+        raise config_lib.ConfigError(f"--meshes: must be >= 0 meshes to compile (0: all), got {args.meshes}")
     if args.write and not args.search:
         raise config_lib.ConfigError("--write needs --search (it writes the fastest config found)")
     n_devices = args.devices or mesh_devices(cfg)
@@ -155,8 +157,9 @@ def cmd_plan(args) -> int:
     if args.search:
         from shardtrain.plan import search, tune
         if args.budget == 0:
-            return search.main(cfg, devices, chip, as_json=args.json, write=args.write)
-        return tune.main(cfg, devices, chip, as_json=args.json, write=args.write, budget=args.budget)
+            return search.main(cfg, devices, chip, as_json=args.json, write=args.write, meshes=args.meshes)
+        return tune.main(cfg, devices, chip, as_json=args.json, write=args.write, budget=args.budget,
+                         meshes=args.meshes)
     return planner.main(cfg, devices, chip, as_json=args.json)
 
 
@@ -286,8 +289,11 @@ def parser() -> argparse.ArgumentParser:
                     "compiler for that slice (needs libtpu; default: the config's hardware.topology)")
     pl.add_argument("--slices", type=int, default=None, help="with --topology: TPU slices joined over DCN")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
-    pl.add_argument("--search", action="store_true", help="rank every mesh of --devices devices, then tune the best "
+    pl.add_argument("--search", action="store_true", help="rank the meshes of --devices devices, then tune the best "
                     "ones' remat, optimizer offload and accumulation")
+    pl.add_argument("--meshes", type=int, default=6, metavar="N",
+                    help="with --search: compile the N meshes the analytical model predicts fastest "
+                    "(default 6; 0: all)")
     pl.add_argument("--budget", type=int, default=12, metavar="N",
                     help="with --search: compile at most N candidates while tuning (default 12; 0: rank meshes only)")
     pl.add_argument("--write", metavar="YAML", help="with --search: write the fastest config that fits")

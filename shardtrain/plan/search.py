@@ -8,8 +8,10 @@ pipeline and fsdp is searched, each with every mesh of one slice's devices.
 A mesh is valid when `step.build` accepts it: the sharding rules' divisibility errors
 (`sharding.spec_for`) and the pipeline's own checks are the filter. Valid meshes whose parameters
 and optimizer state alone (exact, from the abstract state's shard shapes) exceed the chip's memory
-are pruned without compiling; the rest are compiled in a thread pool (XLA compiles outside the
-GIL) with a progress bar.
+are pruned without compiling. The rest are ordered by the analytical model (analytic.py): those it
+predicts to fit first, each group by its predicted step; the first `meshes` are compiled in a thread
+pool (XLA compiles outside the GIL) with a progress bar; the others are listed with their predicted
+step, not compiled.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from tqdm import tqdm
 from shardtrain import chips as chips_lib, step as step_lib
 from shardtrain.config import MESH_AXES, ConfigError, DcnConfig, MeshConfig, RunConfig, dump, validate
 from shardtrain.parallel import mesh as mesh_lib, sharding
-from shardtrain.plan import planner
+from shardtrain.plan import analytic, planner
+
+MESHES_COMPILED = 6
+"""How many meshes `search` compiles by default: the fastest by the analytical model."""
 
 
 def divisors(n: int) -> list[int]:
@@ -138,25 +143,33 @@ class Row:
     """Sizes across slices (multi-slice targets); `mesh` is then per slice."""
     schedule: str | None = None
     """train.pipeline.schedule of a pipeline's row; None without a pipeline."""
+    predicted_step_s: float | None = None
+    """The analytical model's step (analytic.py), for the rows whose state fits."""
+    predicted_bytes: float | None = None
+    """The analytical model's device memory."""
 
     def as_dict(self) -> dict:
         return {"mesh": self.mesh, "dcn": self.dcn, "microbatches": self.microbatches, "schedule": self.schedule,
-                "status": self.status,
+                "status": self.status, "predicted_step_s": self.predicted_step_s,
+                "predicted_bytes": self.predicted_bytes,
                 "state_bytes_per_device": self.state_bytes, "report": self.report}
 
 
 def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | None = None,
-           require_fit: bool = True, schedules: tuple[str, ...] = SEARCHED_SCHEDULES) -> dict:
-    """Plans every valid mesh of len(devices) devices; returns {'rows': ranked rows, 'rejected': ...}.
+           require_fit: bool = True, schedules: tuple[str, ...] = SEARCHED_SCHEDULES,
+           meshes: int = MESHES_COMPILED) -> dict:
+    """Plans the valid meshes of len(devices) devices; returns {'rows': ranked rows, 'rejected': ...}.
     `require_fit`: raise a ConfigError saying what would fit when no mesh does (tune.py, which may
     still make one fit, asks for the ranking anyway). `schedules`: the pipeline schedules tried beside
-    the configured one (`pipeline_choices`)."""
+    the configured one (`pipeline_choices`). `meshes`: how many to compile, the fastest by the
+    analytical model (0: all)."""
     n = len(devices)
-    limit = planner.per_device(chip, n).hbm_bytes
+    chip_dev = planner.per_device(chip, n)
+    limit = chip_dev.hbm_bytes
     rows, rejected, todo = [], [], []
-    meshes = [(ici, dcn) for dcn in dcn_placements(cfg, devices)
-              for ici in factorisations(n // math.prod((dcn or {}).values()), search_axes(cfg)) if allowed(cfg, ici)]
-    for sizes, dcn in meshes:
+    valid = [(ici, dcn) for dcn in dcn_placements(cfg, devices)
+             for ici in factorisations(n // math.prod((dcn or {}).values()), search_axes(cfg)) if allowed(cfg, ici)]
+    for sizes, dcn in valid:
         reasons = []
         total = {a: sizes[a] * (dcn or {}).get(a, 1) for a in MESH_AXES}
         for m, schedule in pipeline_choices(cfg, total, schedules):
@@ -175,6 +188,8 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
             if state > limit:
                 row.status = "no fit (state)"
             else:
+                guess = analytic.predict(prog, chip_dev)
+                row.predicted_step_s, row.predicted_bytes = guess["step_s"], guess["device_bytes"]
                 todo.append((row, prog))
         if reasons and not any(r.mesh == sizes and r.dcn == dcn for r in rows):
             rejected.append({"mesh": sizes, "dcn": dcn, "reason": "; ".join(dict.fromkeys(reasons))})
@@ -184,7 +199,12 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
     if not rows:
         raise ConfigError(f"no mesh of {n} devices suits this model: " +
                           "; ".join(f"{r['mesh']}: {r['reason']}" for r in rejected[:4]))
-    compile_all(todo, devices[0].platform, chip, workers)
+    # those predicted to fit first, each group by predicted step (stable: ties keep the enumeration's order)
+    todo.sort(key=lambda row_prog: (row_prog[0].predicted_bytes > limit, row_prog[0].predicted_step_s))
+    for row, _ in todo[meshes or len(todo):]:
+        row.status = (f"pruned: predicted {row.predicted_step_s * 1e3:.2f} ms, {planner.gib(row.predicted_bytes)}; "
+                      f"not among the {meshes} compiled")
+    compile_all(todo[:meshes or len(todo)], devices[0].platform, chip, workers)
     ranked = sorted(rows, key=rank_key)
     if require_fit and not any(r.report and r.report["fits"] for r in ranked):
         raise ConfigError(no_fit_message(cfg, ranked, n, limit, chip))
@@ -220,7 +240,7 @@ def compile_all(todo: list[tuple[Row, step_lib.Program]], platform: str, chip: c
 def rank_key(row: Row):
     r = row.report
     if r is None:
-        return (2, row.state_bytes or math.inf)
+        return (2, row.predicted_step_s or math.inf, row.state_bytes or math.inf)
     return (0 if r["fits"] else 1, r["estimate"]["step_time_s"])
 
 
@@ -296,9 +316,10 @@ def write_config(cfg: RunConfig, path: str, note: str) -> None:
     Path(path).write_text(f"# Written by `shardtrain plan --search` ({note})\n" + yaml.safe_dump(tree, sort_keys=False))
 
 
-def main(cfg: RunConfig, devices: list, chip: chips_lib.Chip, as_json: bool = False, write: str | None = None) -> int:
+def main(cfg: RunConfig, devices: list, chip: chips_lib.Chip, as_json: bool = False, write: str | None = None,
+         meshes: int = MESHES_COMPILED) -> int:
     """`shardtrain plan --search`: prints the ranked meshes of `devices`; `write`: the best as a config."""
-    result = search(cfg, devices, chip)
+    result = search(cfg, devices, chip, meshes=meshes)
     print(json.dumps(result, indent=1, default=float) if as_json else format_table(result))
     if write:
         write_best(cfg, result, write)

@@ -6,8 +6,8 @@ Every candidate would take a compile (minutes for a large model), so an analytic
 prunes them first, calibrated on the mesh's compiled program (its FLOPs, memory and times at the
 config's own knobs):
   - FLOPs: a policy recomputes, per layer and token, the forward FLOPs of what it does not save
-    (`RECOMPUTED`: attention, its output projection, the MLP, the q/k/v projections);
-  - memory: a policy keeps per layer and token the outputs it saves (`SAVED`), divided over the
+    (`analytic.RECOMPUTED`: attention, its output projection, the MLP, the q/k/v projections);
+  - memory: a policy keeps per layer and token the outputs it saves (`analytic.SAVED`), divided over the
     micro-batches of grad accumulation; offload takes the optimizer state off the device;
   - time: max(compute, the mesh's memory time) + its communication + the host link (offload).
 A candidate whose predicted memory exceeds the limit is not compiled, nor one whose predicted step
@@ -27,14 +27,10 @@ from tqdm import tqdm
 from shardtrain import chips as chips_lib, step as step_lib
 from shardtrain.config import ConfigError, RunConfig, validate
 from shardtrain.parallel import mesh as mesh_lib
-from shardtrain.plan import planner, search
+from shardtrain.plan import analytic, planner, search
 
 REMAT_LADDER = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "full")
 """The remat policies tried, from the one that saves most (fewest FLOPs, most memory) to full."""
-RECOMPUTED = {"none": (), "minimal": ("attention",), "save_dot_except_mlp": ("attention", "mlp"),
-              "save_qkv_proj": ("attention", "out", "mlp"), "full": ("attention", "out", "mlp", "qkv")}
-SAVED = {"none": ("qkv", "out", "mlp_in", "mlp_out", "attention"), "minimal": ("qkv", "out", "mlp_in", "mlp_out"),
-         "save_dot_except_mlp": ("qkv", "out"), "save_qkv_proj": ("qkv",), "full": ()}
 ACCUM_STEPS = (1, 2, 4)
 MESHES_TUNED = 2
 """The best meshes of the ranking whose knobs are searched."""
@@ -65,21 +61,6 @@ def with_knobs(cfg: RunConfig, knobs: Knobs) -> RunConfig:
     return new
 
 
-def per_token_layer(cfg: RunConfig, tensor: int) -> tuple[dict[str, float], dict[str, float]]:
-    """(forward FLOPs, saved activation elements) per token and layer on one device, by part: the
-    q/k/v projections, the output projection, the MLP (its gate / up outputs `mlp_in`, its down
-    output `mlp_out`) and attention (causal: half the T x T scores); heads and MLP units split over
-    `tensor`."""
-    m = cfg.model
-    d, e, t = m.d_model, m.head_size, cfg.data.seq_len
-    f = m.d_ff * (m.moe.experts_per_token if m.moe.n_experts > 1 else 1)
-    qkv = (m.n_heads + 2 * m.n_kv_heads) * e / tensor
-    flops = {"qkv": 2 * d * qkv, "out": 2 * m.n_heads * e * d / tensor, "mlp": 6 * d * f / tensor,
-             "attention": 2 * t * m.n_heads * e / tensor}
-    saved = {"qkv": qkv, "out": d, "mlp_in": 2 * f / tensor, "mlp_out": d, "attention": m.n_heads * e / tensor}
-    return flops, saved
-
-
 @dataclasses.dataclass
 class Candidate:
     row: dict
@@ -108,7 +89,7 @@ def predict(cfg: RunConfig, base: dict, knobs: Knobs, chip: chips_lib.Chip) -> t
     (the module docstring says how)."""
     mesh, n = base["mesh"], base["devices"]
     chip_dev = planner.per_device(chip, n)
-    flops, saved = per_token_layer(cfg, mesh["tensor"])
+    flops, saved = analytic.per_token_layer(cfg, mesh["tensor"])
     tokens = cfg.train.global_batch_size * cfg.data.seq_len  # per step
     batch_ways = mesh["data"] * mesh["fsdp"] * mesh["context"] * mesh.get("expert", 1)
     layers_here = cfg.model.n_layers / mesh["pipeline"]
@@ -116,10 +97,11 @@ def predict(cfg: RunConfig, base: dict, knobs: Knobs, chip: chips_lib.Chip) -> t
     own = knobs_of(cfg)
 
     def recompute(k: Knobs) -> float:
-        return layers_here * tokens / batch_ways * sum(flops[p] for p in RECOMPUTED[k.remat])
+        return layers_here * tokens / batch_ways * sum(flops[p] for p in analytic.RECOMPUTED[k.remat])
 
     def activations(k: Knobs) -> float:
-        return layers_here * tokens / batch_ways / k.accum * sum(saved[p] for p in SAVED[k.remat]) * dtype_bytes
+        saved_elements = sum(saved[p] for p in analytic.SAVED[k.remat])
+        return layers_here * tokens / batch_ways / k.accum * saved_elements * dtype_bytes
 
     m = base["memory_per_device_bytes"]
     opt_b = base["host_memory_per_device_bytes"]["optimizer"] if own.offload else m["optimizer"]
@@ -243,10 +225,10 @@ def format_tuning(tuned: dict, best: dict) -> str:
 
 
 def main(cfg: RunConfig, devices: list, chip: chips_lib.Chip, as_json: bool = False, write: str | None = None,
-         budget: int = DEFAULT_BUDGET) -> int:
+         budget: int = DEFAULT_BUDGET, meshes: int = search.MESHES_COMPILED) -> int:
     """`shardtrain plan --search`: ranks the meshes, tunes the best ones' knobs, prints both and the
     fastest config that fits; `write`: that config as a YAML to run."""
-    ranked = search.search(cfg, devices, chip, require_fit=False)
+    ranked = search.search(cfg, devices, chip, require_fit=False, meshes=meshes)
     tuned = tune(cfg, ranked, devices, chip, budget)
     best_cfg, best = best_config(cfg, ranked, tuned)
     if as_json:

@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY
 from shardtrain import chips, config, step
 from shardtrain.parallel import mesh as mesh_lib
-from shardtrain.plan import planner, search, tune
+from shardtrain.plan import analytic, planner, search, tune
 
 
 def mlp_cfg(data, fsdp, tensor):
@@ -64,6 +64,12 @@ def test_search_ranks_every_factorisation_once_and_its_top_row_trains(tmp_path):
         tuple(m.values()) for m in search.factorisations(8) if m["pipeline"] > 2}
     fits = [r["report"]["fits"] for r in result["rows"] if r["report"]]
     assert fits == sorted(fits, reverse=True) and True in fits and False in fits
+    # the analytical model picks which to compile: those predicted to fit first, each by predicted step
+    order = sorted((r for r in result["rows"] if r["predicted_step_s"] is not None),
+                   key=lambda r: (r["predicted_bytes"] > limit, r["predicted_step_s"]))
+    assert [r["report"] is not None for r in order] == [True] * search.MESHES_COMPILED + [False] * (
+        len(order) - search.MESHES_COMPILED)
+    assert all(r["status"].startswith("pruned: predicted") for r in order[search.MESHES_COMPILED:])
     for r in result["rows"]:
         if r["report"]:
             assert r["report"]["fits"] == (r["report"]["memory_per_device_bytes"]["total"] <= limit)
@@ -85,7 +91,7 @@ def test_search_tries_each_pipeline_schedule_at_each_micro_batch_count():
     micro-batch count; the compiled 1f1b program holds fewer activations than gpipe's at M = 8 (2 of 8
     micro-batches live), and a row's config carries its schedule and M."""
     cfg = config.load(None, [*TINY, "model.name=mlp", "train.global_batch_size=16"])
-    rows = search.search(cfg, *planner.target(cfg, 2, chip="cpu"))["rows"]
+    rows = search.search(cfg, *planner.target(cfg, 2, chip="cpu"), meshes=0)["rows"]  # 0: compile every one
     piped = {(r["schedule"], r["microbatches"]): r for r in rows if r["mesh"]["pipeline"] == 2}
     assert set(piped) == {(s, m) for s in ("gpipe", "1f1b", "zero_bubble") for m in (4, 8)}
     assert all(r["schedule"] is None for r in rows if r["mesh"]["pipeline"] == 1)
@@ -124,6 +130,21 @@ def test_search_across_slices_tries_each_split_of_the_slices(tmp_path, capsys):
     best = config.load(str(out))
     assert {a: getattr(best.mesh.dcn, a) for a in config.MESH_AXES} == result["rows"][0]["dcn"]
     assert "dcn" in search.format_table(result)
+
+
+@pytest.mark.slow
+def test_analytical_model_orders_meshes_as_their_compiled_communication_does():
+    """The model `--search` prunes by: its communication time is within 1.5x of the compiled program's
+    collectives (plan's count) on FSDP, data, tensor and mixed meshes, and ranks them in the same order."""
+    predicted, compiled = [], []
+    for data, fsdp, tensor in ((1, 8, 1), (8, 1, 1), (1, 4, 2), (2, 2, 2)):
+        cfg = config.load(None, [*TINY, f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"])
+        devices, chip = planner.target(cfg, 8, chip="cpu")
+        compiled.append(planner.plan_one(cfg, devices, chip)["estimate"]["comm_s"])
+        prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+        predicted.append(analytic.predict(prog, planner.per_device(chip, 8))["comm_s"])
+    assert all(1 / 1.5 < p / c < 1.5 for p, c in zip(predicted, compiled)), (predicted, compiled)
+    assert np.argsort(predicted).tolist() == np.argsort(compiled).tolist(), (predicted, compiled)
 
 
 def test_search_table_lists_each_rejected_mesh_with_its_reason():
