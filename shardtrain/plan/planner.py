@@ -463,7 +463,7 @@ def by_type(flops_by_dtype: dict[str, float]) -> str:
 
 def moe_flops_lines(r: dict) -> list[str]:
     """The MoE experts' grouped matmul FLOPs by type and their int8 / fp8 share (none without MoE); on
-    GPUs whose other matmuls are int8 / fp8, why the experts' stay 16-bit."""
+    GPUs whose other matmuls are int8 / fp8, why the experts stay 16-bit."""
     share = r["moe_low_precision_share"]
     if share is None:
         return []

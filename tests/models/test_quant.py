@@ -196,6 +196,7 @@ def test_tpu_int8_step_runs_every_block_matmul_as_s8_forward_and_backward():
     r = planner.report(prog, compiled, chips.CHIPS["v5e"], seconds)
     assert r["flops_by_dtype"]["s8"] > r["flops_by_dtype"]["bf16"]
     assert r["moe_flops_by_dtype"] == {"s8": 9 * 2 * 640 * 128 * 256} and r["moe_low_precision_share"] == 1.0
+    assert "grouped matmuls: s8 3.775e+08 (100.0% in int8 / fp8)\n" in planner.format_report(r)
 
 
 def test_fp8_compiles_to_f8_gemms_on_a_compile_only_h100():

@@ -188,3 +188,4 @@ def test_gpu_moe_runs_grouped_gemm_kernels_not_a_dense_dot_over_every_expert():
     assert 1.3 < ratio < 1.5, ratio  # 2.5 while the overflow rounds' loop counted once
     assert r["moe_flops_by_dtype"] == {"bf16": 12 * 2 * 1280 * 256 * 512} and r["moe_low_precision_share"] == 0
     assert any(k.startswith("f8") for k in r["flops_by_dtype"])
+    assert "(0.0% in int8 / fp8; the GPU's grouped-GEMM kernels take 16-bit operands only" in planner.format_report(r)
