@@ -235,7 +235,7 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
                     shard.all_to_all(send_at_p, "experts"))
     most = p * (n * min(el, k) if cap is None else min(a, el * cap))  # the most one device can receive
     rows = min(most, math.ceil(cfg.moe.receive_buffer * a))
-    if platform == "gpu":  # the kernels' tiles
+    if platform in ("gpu", "tpu"):  # the grouped kernels' row tiles: else the TPU's is a dense dot over every expert
         rows = -(-rows // grouped_gemm.ROW_MULTIPLE) * grouped_gemm.ROW_MULTIPLE
     rounds = -(-shard.pmax(recv_p.sum(), "experts") // rows)  # the same on every device of the exchange
     x_ad = jnp.repeat(x_btd.reshape(n, d), k, axis=0)

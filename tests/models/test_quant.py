@@ -176,16 +176,18 @@ def test_resume_switches_quantization_and_keeps_the_step_count(tmp_path):
 
 @pytest.mark.slow  # a TPU compile (libtpu), about 25 s
 def test_tpu_int8_step_runs_every_block_matmul_as_s8_forward_and_backward():
-    """One MoE layer with a shared expert, experts split 4 ways, compiled for v5e:2x2: its 10 block
+    """One MoE layer with a shared expert, 8 experts split 4 ways, compiled for v5e:2x2: its 10 block
     weights (4 attention projections, 3 experts' grouped matmuls, 3 shared-expert matmuls) each
     make a forward, an input-gradient and a weight-gradient matmul, all 30 s8 (the grouped ones in
     the TPU's ragged-dot kernel); the head and the router stay float (the `none` program holds no s8
     matmul: tests/plan/test_plan_tpu.py::test_none_has_no_int8_matmuls). The plan's MoE FLOPs are the
-    9 grouped products, all s8, each over the 640 rows of the receive buffer (1.25 x 256 tokens x 2
-    experts per device)."""
+    9 grouped products, all s8, each over the 640 rows of the receive buffer (1.1 x 256 tokens x 2
+    experts per device = 564, rounded up to the kernel's 128-row tiles: with 564 rows the TPU compiler
+    makes each a dense convolution over both local experts, in bf16 as in s8)."""
     cfg = config.load(None, ["model.n_layers=1", "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2",
                              "model.d_ff=256", "model.vocab_size=128", "data.seq_len=128", "data.source=synthetic",
-                             "model.moe.n_experts=4", "model.moe.n_shared_experts=1", "mesh.expert=4",
+                             "model.moe.n_experts=8", "model.moe.n_shared_experts=1", "mesh.expert=4",
+                             "model.moe.receive_buffer=1.1",
                              "train.global_batch_size=8", "train.compute_dtype=bfloat16",
                              "train.quantization=int8", "model.attention=xla"])
     devices = list(topology.devices(chips.CHIPS["v5e"], "2x2"))
