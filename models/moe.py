@@ -87,11 +87,19 @@ def swiglu(x_btd, w_gate_df, w_up_df, w_down_fd, flat=True, quantization="none")
 
 def grouped(x_rd, w_edf, group_e, quantization="none", platform=None):
     """Rows x_rd (sorted by group, group_e rows each, padding after) times their group's w_edf: on
-    NVIDIA GPUs by grouped-GEMM kernels (models/grouped_gemm.py; XLA:GPU makes `ragged_dot` a dense
-    dot over every group), elsewhere and quantized by `ragged_dot`."""
-    if platform == "gpu" and quantization == "none" and grouped_gemm.supported(x_rd, w_edf):
-        return grouped_gemm.gmm(x_rd, w_edf, group_e)
-    return quant.grouped_dot(x_rd, w_edf, group_e, quantization)
+    NVIDIA GPUs by the 16-bit grouped-GEMM kernels (models/grouped_gemm.py; XLA:GPU makes `ragged_dot`
+    a dense dot over every group) whatever `quantization` says, as no grouped kernel there takes int8 or
+    fp8 operands; elsewhere by `ragged_dot`, quantized."""
+    with jax.named_scope(GROUPED_SCOPE):
+        if platform == "gpu" and grouped_gemm.supported(x_rd, w_edf):
+            return grouped_gemm.gmm(x_rd, w_edf, group_e)
+        return quant.grouped_dot(x_rd, w_edf, group_e, quantization)
+
+
+GROUPED_SCOPE = "moe_grouped_matmul"
+"""The named scope of the experts' grouped matmuls, forward and backward, by which `plan` tells their
+FLOPs from the rest (`moe_flops_by_dtype`, shardtrain/plan/hlo/cost.py), whichever way a compiler
+lowered them."""
 
 
 @jax.custom_vjp
@@ -227,7 +235,7 @@ def experts_local(shard, x_btd, top_i_btk, weight_btk, w_gate_edf, w_up_edf, w_d
                     shard.all_to_all(send_at_p, "experts"))
     most = p * (n * min(el, k) if cap is None else min(a, el * cap))  # the most one device can receive
     rows = min(most, math.ceil(cfg.moe.receive_buffer * a))
-    if platform == "gpu":  # the kernels' tiles
+    if platform in ("gpu", "tpu"):  # the grouped kernels' row tiles: else the TPU's is a dense dot over every expert
         rows = -(-rows // grouped_gemm.ROW_MULTIPLE) * grouped_gemm.ROW_MULTIPLE
     rounds = -(-shard.pmax(recv_p.sum(), "experts") // rows)  # the same on every device of the exchange
     x_ad = jnp.repeat(x_btd.reshape(n, d), k, axis=0)

@@ -27,7 +27,10 @@ devices of `topology.gpu_devices` when no GPU is here), else the devices present
 
 Matmul FLOPs by operand type (`flops_by_dtype`, `hlo.matmul_flops_by_dtype`) are read from the same
 HLO: with train.quantization the block matmuls' operands are s8 or f8 there, and only those types
-the planner counts at their own peak (`chips.peak_flops`), never from the config flag.
+the planner counts at their own peak (`chips.peak_flops`), never from the config flag. The MoE
+experts' grouped matmuls among them (`moe_flops_by_dtype`, and `moe_low_precision_share`, the share of
+those FLOPs in int8 / fp8) are the TPU's ragged-dot and the GPU's grouped-GEMM kernels, or the dots of
+their named scope where a compiler lowered `ragged_dot` to dense dots.
 
 Roofline estimate per step: compute = FLOPs per device / peak FLOP/s (each matmul at its operand
 type's peak; the model's FLOPs split the same way for the floor), memory = bytes accessed /
@@ -285,6 +288,7 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
     optimal_s = cost.get("optimal_seconds")  # the TPU cost model's step time (its loop bodies counted once)
     flops_dev = float(cost.get("flops", 0.0)) + loop_flops
     flops_by_dtype = hlo.matmul_flops_by_dtype(module)
+    moe_flops_by_dtype = hlo.matmul_flops_by_dtype(module, moe=True)
     bytes_dev = float(cost.get("bytes accessed", 0.0)) + loop_bytes
     colls = max((hlo.collectives(module, dict(mesh.shape), w) for w in branch_weights(prog)),  # the busiest stage
                 key=lambda cs: sum(c.traffic_bytes * c.count for c in cs))
@@ -325,6 +329,8 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "flops_per_device": flops_dev,
         "flops_per_step": flops_dev * n,
         "flops_by_dtype": flops_by_dtype,
+        "moe_flops_by_dtype": moe_flops_by_dtype,
+        "moe_low_precision_share": low_precision_share(moe_flops_by_dtype),
         "bytes_accessed_per_device": bytes_dev,
         "loop_repeats_per_device": {"flops": loop_flops, "bytes": loop_bytes},
         "model_flops_per_token": flops_token,
@@ -337,6 +343,13 @@ def report(prog: step_lib.Program, compiled, chip: chips_lib.Chip, compile_s: fl
         "pipeline": pipeline_schedule(prog),
         "compile_s": compile_s,
     }
+
+
+def low_precision_share(flops_by_dtype: dict[str, float]) -> float | None:
+    """The share of these matmul FLOPs whose operands are both int8 or both fp8 (None: no FLOPs)."""
+    total = sum(flops_by_dtype.values())
+    low = sum(v for k, v in flops_by_dtype.items() if chips_lib.operand_kind(k) != "bf16")
+    return low / total if total else None
 
 
 def compile_only(mesh) -> bool:
@@ -443,6 +456,23 @@ def mesh_label(mesh: dict, pipeline: dict | None = None) -> str:
     return label + (f" M={pipeline['microbatches']}" if pipeline else "")
 
 
+def by_type(flops_by_dtype: dict[str, float]) -> str:
+    """"bf16 1.2e+15, s8 3.4e+14": FLOPs by operand type, the most first."""
+    return ", ".join(f"{k} {v:.4g}" for k, v in sorted(flops_by_dtype.items(), key=lambda kv: -kv[1]))
+
+
+def moe_flops_lines(r: dict) -> list[str]:
+    """The MoE experts' grouped matmul FLOPs by type and their int8 / fp8 share (none without MoE); on
+    GPUs whose other matmuls are int8 / fp8, why the experts stay 16-bit."""
+    share = r["moe_low_precision_share"]
+    if share is None:
+        return []
+    note = ("; the GPU's grouped-GEMM kernels take 16-bit operands only, the experts run in bf16"
+            if r["compiler"] == "gpu" and share < 1 and low_precision_share(r["flops_by_dtype"]) else "")
+    return [f"  of which the MoE experts' grouped matmuls: {by_type(r['moe_flops_by_dtype'])} "
+            f"({share:.1%} in int8 / fp8{note})"]
+
+
 def format_report(r: dict) -> str:
     m, e = r["memory_per_device_bytes"], r["estimate"]
     halves = " devices" if chips_lib.CHIPS[r["chip"]].devices_per_chip > 1 else ""
@@ -464,8 +494,8 @@ def format_report(r: dict) -> str:
           for k, c in r["collectives"].items()),
         "", f"FLOPs per step {r['flops_per_step']:.4g} ({r['flops_per_device']:.4g} per device); "
             f"model FLOPs per token {r['model_flops_per_token']:.4g}",
-        "matmul FLOPs per device by operand type: " + (", ".join(
-            f"{k} {v:.4g}" for k, v in sorted(r["flops_by_dtype"].items(), key=lambda kv: -kv[1])) or "none"),
+        "matmul FLOPs per device by operand type: " + (by_type(r["flops_by_dtype"]) or "none"),
+        *moe_flops_lines(r),
         f"estimate on {r['devices']} x {r['chip']}{halves}: step {e['step_time_s'] * 1e3:.3f} ms, MFU {e['mfu']:.1%}, "
         f"bound by {e['bottleneck']} (compute {e['compute_s'] * 1e3:.3f} ms, memory {e['memory_s'] * 1e3:.3f} ms, "
         f"communication {e['comm_s'] * 1e3:.3f} ms)",

@@ -176,14 +176,18 @@ def test_resume_switches_quantization_and_keeps_the_step_count(tmp_path):
 
 @pytest.mark.slow  # a TPU compile (libtpu), about 25 s
 def test_tpu_int8_step_runs_every_block_matmul_as_s8_forward_and_backward():
-    """One MoE layer with a shared expert, experts split 4 ways, compiled for v5e:2x2: its 10 block
+    """One MoE layer with a shared expert, 8 experts split 4 ways, compiled for v5e:2x2: its 10 block
     weights (4 attention projections, 3 experts' grouped matmuls, 3 shared-expert matmuls) each
     make a forward, an input-gradient and a weight-gradient matmul, all 30 s8 (the grouped ones in
     the TPU's ragged-dot kernel); the head and the router stay float (the `none` program holds no s8
-    matmul: tests/plan/test_plan_tpu.py::test_none_has_no_int8_matmuls)."""
+    matmul: tests/plan/test_plan_tpu.py::test_none_has_no_int8_matmuls). The plan's MoE FLOPs are the
+    9 grouped products, all s8, each over the 640 rows of the receive buffer (1.1 x 256 tokens x 2
+    experts per device = 564, rounded up to the kernel's 128-row tiles: with 564 rows the TPU compiler
+    makes each a dense convolution over both local experts, in bf16 as in s8)."""
     cfg = config.load(None, ["model.n_layers=1", "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2",
                              "model.d_ff=256", "model.vocab_size=128", "data.seq_len=128", "data.source=synthetic",
-                             "model.moe.n_experts=4", "model.moe.n_shared_experts=1", "mesh.expert=4",
+                             "model.moe.n_experts=8", "model.moe.n_shared_experts=1", "mesh.expert=4",
+                             "model.moe.receive_buffer=1.1",
                              "train.global_batch_size=8", "train.compute_dtype=bfloat16",
                              "train.quantization=int8", "model.attention=xla"])
     devices = list(topology.devices(chips.CHIPS["v5e"], "2x2"))
@@ -193,6 +197,8 @@ def test_tpu_int8_step_runs_every_block_matmul_as_s8_forward_and_backward():
     assert counts.get("s8") == 30 and not any("f8" in k for k in counts)
     r = planner.report(prog, compiled, chips.CHIPS["v5e"], seconds)
     assert r["flops_by_dtype"]["s8"] > r["flops_by_dtype"]["bf16"]
+    assert r["moe_flops_by_dtype"] == {"s8": 9 * 2 * 640 * 128 * 256} and r["moe_low_precision_share"] == 1.0
+    assert "grouped matmuls: s8 3.775e+08 (100.0% in int8 / fp8)\n" in planner.format_report(r)
 
 
 def test_fp8_compiles_to_f8_gemms_on_a_compile_only_h100():
@@ -230,6 +236,34 @@ ENTRY %main (x: bf16[4,8], w: bf16[8,2]) -> bf16[4,2] {
 """
     assert hlo.matmul_flops_by_dtype(text) == {"s8": 3 * 2 * 4 * 2 * 8, "bf16": 2 * 4 * 2 * 8}
     assert hlo.matmul_flops_by_dtype(text, count=True) == {"s8": 3, "bf16": 1}
+
+
+def test_moe_flops_by_dtype_are_the_grouped_matmuls_only():
+    """The MoE experts' grouped matmuls: the TPU's ragged-dot kernel, forward (rows, K) x (groups, K, N)
+    and weight gradient (rows, K) x (rows, N) -> (groups, K, N), both over every row of the buffer;
+    a dense dot that a compiler made of `ragged_dot` inside their named scope; not the other dots."""
+    scope = 'metadata={op_name="jit(step)/transpose(jvp(moe_grouped_matmul))/dot_general"}'
+    text = f"""HloModule m
+
+ENTRY %main (x: s8[40,8], w: s8[2,8,16], g: s8[40,16], n: s32[2], d: bf16[4,8], e: bf16[8,16]) -> s32[2,8,16] {{
+  %x = s8[40,8]{{1,0}} parameter(0)
+  %w = s8[2,8,16]{{2,1,0}} parameter(1)
+  %g = s8[40,16]{{1,0}} parameter(2)
+  %n = s32[2]{{0}} parameter(3)
+  %d = bf16[4,8]{{1,0}} parameter(4)
+  %e = bf16[8,16]{{1,0}} parameter(5)
+  %ragged-dot-none = s32[40,16]{{1,0}} custom-call(%n, %x, %w), custom_call_target="tpu_custom_call"
+  %ragged-dot-none.1 = s32[2,8,16]{{2,1,0}} custom-call(%n, %x, %g), custom_call_target="tpu_custom_call"
+  %dense = bf16[4,16]{{1,0}} dot(%d, %e), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {scope}
+  ROOT %other = bf16[4,16]{{1,0}} dot(%d, %e), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+"""
+    grouped = 2 * 40 * 8 * 16  # each kernel, every row of the buffer
+    assert hlo.matmul_flops_by_dtype(text, moe=True) == {"s8": 2 * grouped, "bf16": 2 * 4 * 8 * 16}
+    assert hlo.matmul_flops_by_dtype(text)["bf16"] == 2 * 2 * 4 * 8 * 16
+    assert planner.low_precision_share({"s8": 3.0, "bf16": 1.0}) == 0.75
+    assert planner.low_precision_share({"f8e5m2xf8e4m3fn": 1.0, "s8xbf16": 1.0}) == 0.5
+    assert planner.low_precision_share({}) is None
 
 
 def test_roofline_counts_low_precision_matmuls_at_their_peak():

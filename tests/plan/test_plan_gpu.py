@@ -169,10 +169,13 @@ def test_gpu_moe_runs_grouped_gemm_kernels_not_a_dense_dot_over_every_expert():
     """XLA:GPU lowers `ragged_dot` to a dense dot over all 8 experts (8x the grouped FLOPs); the MoE
     layer's three products run jax's Mosaic GPU grouped-GEMM kernels instead, forward (y) and
     backward (dx, dw), and the plan counts their FLOPs: the step's compiled FLOPs stay near the
-    model's (remat full: 8/6, and the receive buffer's quarter over balanced routing on the experts)."""
+    model's (remat full: 8/6, and the receive buffer's quarter over balanced routing on the experts).
+    Under train.quantization=fp8 (the kernels under every quantization: tests/models/test_grouped_gemm.py):
+    the other matmuls are fp8, the MoE's FLOPs the 12 bf16 kernel products (3 matmuls x y, dx, dw, and y
+    again under remat), each over the 1280 rows of the receive buffer (1.25 x 512 tokens x 2 experts per GPU)."""
     moe = ["model.name=gpt", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=512", "model.moe.n_experts=8",
            "model.moe.experts_per_token=2", "mesh.expert=8", "mesh.data=1", "train.compute_dtype=bfloat16",
-           "train.remat=full"]
+           "train.remat=full", "train.quantization=fp8"]
     cfg = config.load(None, [*SMALL, *moe, "hardware.chip=h100", "model.d_model=256", "data.seq_len=256",
                              "train.global_batch_size=16"])
     devices, chip = planner.target(cfg, 8)
@@ -183,3 +186,6 @@ def test_gpu_moe_runs_grouped_gemm_kernels_not_a_dense_dot_over_every_expert():
     r = planner.report(prog, compiled, chip)
     ratio = r["flops_per_device"] * r["devices"] / r["model_flops_per_step"]
     assert 1.3 < ratio < 1.5, ratio  # 2.5 while the overflow rounds' loop counted once
+    assert r["moe_flops_by_dtype"] == {"bf16": 12 * 2 * 1280 * 256 * 512} and r["moe_low_precision_share"] == 0
+    assert any(k.startswith("f8") for k in r["flops_by_dtype"])
+    assert "(0.0% in int8 / fp8; the GPU's grouped-GEMM kernels take 16-bit operands only" in planner.format_report(r)

@@ -135,12 +135,14 @@ def _own_cost(comp: list[Instr], module: Module, fused: bool) -> tuple[float, fl
     return flops, nbytes
 
 
-def matmul_flops_by_dtype(program: str | Module, count: bool = False) -> dict[str, float]:
+def matmul_flops_by_dtype(program: str | Module, count: bool = False, moe: bool = False) -> dict[str, float]:
     """Matmul FLOPs per device per step by operand type, loop trips counted: every dot, convolution
     (the TPU compiler's dots), cuBLAS GEMM custom call and TPU / GPU grouped-matmul kernel (`ragged-dot`,
     models/grouped_gemm.py; counted over all its rows, padding included), keyed by its operands' HLO type ("bf16",
     "s8", "f8e4m3fn"; "f8e5m2xf8e4m3fn" when the two differ). The types are the compiled program's
-    own, read from the instructions that define the operands. `count`: how many matmuls run instead."""
+    own, read from the instructions that define the operands. `count`: how many matmuls run instead;
+    `moe`: only the MoE experts' grouped matmuls (the kernels, and what their named scope holds where a
+    compiler made dense dots of `ragged_dot`)."""
     module = as_module(program)
     mult = multipliers(module)
     out: dict[str, float] = defaultdict(float)
@@ -148,8 +150,8 @@ def matmul_flops_by_dtype(program: str | Module, count: bool = False) -> dict[st
         shapes = {i.name: i.shape for i in comp}
         for ins in comp:
             flops = _matmul_flops(ins, shapes)
-            if flops and mult[name]:
-                grouped = ins.name.startswith("ragged-dot") or _grouped_gemm_kind(ins)
+            grouped = ins.name.startswith("ragged-dot") or _grouped_gemm_kind(ins)
+            if flops and mult[name] and (grouped or not moe or _MOE_SCOPE.search(ins.line)):
                 arrays = ins.operands[-2:] if grouped else ins.operands[:2]
                 types = [_ARRAY_TYPE.match(shapes.get(o, "")) for o in arrays]
                 lhs, rhs = (t.group(1) if t else "?" for t in types)
@@ -169,7 +171,7 @@ def _declared_flops(ins: Instr) -> float:
 
 
 def _matmul_flops(ins: Instr, shapes: dict[str, str]) -> float:
-    """FLOPs of a dot (2mnk), a convolution, a cuBLAS GEMM or TPU ragged-dot custom call; else 0."""
+    """FLOPs of a dot (2mnk), a convolution, a cuBLAS GEMM or a TPU / GPU grouped-matmul custom call; else 0."""
     if ins.opcode == "convolution":
         return _convolution_flops(ins, shapes)
     operands = ins.operands[:2]
@@ -178,13 +180,11 @@ def _matmul_flops(ins: Instr, shapes: dict[str, str]) -> float:
     elif ins.opcode == "custom-call" and "__cublas" in ins.line and len(ins.operands) >= 2:
         found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.line)
         contracting = re.findall(r"\d+", found.group(1)) if found else []
-    elif ins.opcode == "custom-call" and ins.name.startswith("ragged-dot") and len(ins.operands) >= 2:
-        # the TPU's grouped-matmul kernel: (rows, K) x (groups, K, N) -> (rows, N), its arrays last
-        operands, contracting = ins.operands[-2:], ["1"]
-    elif (kind := _grouped_gemm_kind(ins)) == "dw":  # (rows, K) x (rows, N) -> (groups, K, N): over the rows
-        return 2.0 * math.prod(dims(ins.shape)[1:]) * (dims(shapes.get(ins.operands[-2], "")) or [0])[0]
-    elif kind:  # y, dx: (rows, K) x (groups, K, N) -> (rows, N), every row of the buffer
-        operands, contracting = ins.operands[-2:], ["1"]
+    elif ins.opcode == "custom-call" and (ins.name.startswith("ragged-dot") or _grouped_gemm_kind(ins)) \
+            and len(ins.operands) >= 2:  # the TPU's / GPU's grouped-matmul kernels, their arrays last
+        if len(dims(ins.shape)) == 3:  # dw: (rows, K) x (rows, N) -> (groups, K, N), over the rows
+            return 2.0 * math.prod(dims(ins.shape)[1:]) * (dims(shapes.get(ins.operands[-2], "")) or [0])[0]
+        operands, contracting = ins.operands[-2:], ["1"]  # (rows, K) x (groups, K, N) -> (rows, N), every row
     else:
         return 0.0
     lhs = dims(shapes.get(operands[0], ""))
@@ -192,6 +192,7 @@ def _matmul_flops(ins: Instr, shapes: dict[str, str]) -> float:
     return 2.0 * math.prod(dims(ins.shape)) * k
 
 
+_MOE_SCOPE = re.compile(r'op_name="[^"]*[/(]moe_grouped_matmul[/)]')  # models/moe.py's GROUPED_SCOPE
 _GROUPED_GEMM = re.compile(r'op_name="[^"]*grouped_gemm_(y|dx|dw)\b')
 
 
