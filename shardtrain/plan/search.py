@@ -70,15 +70,18 @@ def allowed(cfg: RunConfig, sizes: dict[str, int]) -> bool:
 
 
 DCN_AXES = ("data", "pipeline", "fsdp")
-"""Axes searched across slices / hosts (the slow network); tensor, expert and context stay on ICI."""
+"""Axes searched across slices / hosts (the slow network); tensor and context stay on ICI, and expert
+does on TPU slices: GPU nodes also split an MoE's experts (expert parallelism over InfiniBand, as
+DeepEP does)."""
 
 
 def dcn_placements(cfg: RunConfig, devices: list) -> list[dict[str, int] | None]:
     """How the slices (TPU) or nodes (GPU) of the devices, or the config's mesh.dcn granules, may split
-    over DCN_AXES; [None] for one slice."""
+    over DCN_AXES (and expert, for an MoE on GPUs); [None] for one slice."""
     granules = len({mesh_lib.granule(d) for d in devices})
     granules = granules if granules > 1 else math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
-    return factorisations(granules, DCN_AXES) if granules > 1 else [None]
+    experts = cfg.model.moe.n_experts > 1 and devices[0].platform == "gpu"
+    return factorisations(granules, DCN_AXES + (("expert",) if experts else ())) if granules > 1 else [None]
 
 
 def microbatch_counts(cfg: RunConfig, sizes: dict[str, int]) -> list[int | None]:

@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -145,6 +146,18 @@ def test_analytical_model_orders_meshes_as_their_compiled_communication_does():
         predicted.append(analytic.predict(prog, planner.per_device(chip, 8))["comm_s"])
     assert all(1 / 1.5 < p / c < 1.5 for p, c in zip(predicted, compiled)), (predicted, compiled)
     assert np.argsort(predicted).tolist() == np.argsort(compiled).tolist(), (predicted, compiled)
+
+
+def test_gpu_nodes_also_split_an_moes_experts_where_tpu_slices_do_not():
+    """Expert parallelism crosses GPU nodes (over InfiniBand), never TPU slices."""
+    moe = config.load(None, [*TINY, "model.moe.n_experts=4", "model.moe.experts_per_token=2"])
+    nodes = [types.SimpleNamespace(platform="gpu", process_index=i // 8) for i in range(16)]
+    slices = [types.SimpleNamespace(platform="tpu", slice_index=i // 8) for i in range(16)]
+    assert {tuple(d.values()) for d in search.dcn_placements(moe, nodes)} == {
+        tuple(d.values()) for d in search.factorisations(2, search.DCN_AXES + ("expert",))}
+    assert all(d["expert"] == 1 for d in search.dcn_placements(moe, slices))
+    dense = config.load(None, TINY)
+    assert all(d["expert"] == 1 for d in search.dcn_placements(dense, nodes))
 
 
 def test_search_table_lists_each_rejected_mesh_with_its_reason():
