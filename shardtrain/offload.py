@@ -48,11 +48,12 @@ parameter's (a step counter)."""
 
 def stream_axis(shape: tuple, sharding, parts: int) -> int:
     """The axis a parameter is sliced along into `parts` parts: the first one the mesh does not split
-    whose length `parts` divides into whole TPU tiles (the last two axes are tiled by 8 x 128; a
-    slice across a tile does not compile), else WHOLE."""
+    whose length `parts` divides, a leading one or one whose parts are whole TPU tiles (the TPU
+    compiler may lay either of the last two axes out as the 128-wide minor one, and a slice across
+    its tiles does not compile), else WHOLE."""
     spec, rank = (*sharding.spec, *(None,) * len(shape)), len(shape)
-    tile = {rank - 1: 128, rank - 2: 8}
-    fits = (a for a, n in enumerate(shape) if spec[a] is None and n % parts == 0 and n // parts % tile.get(a, 1) == 0)
+    fits = (a for a, n in enumerate(shape)
+            if spec[a] is None and n % parts == 0 and (a < rank - 2 or n // parts % 128 == 0))
     return next(fits, WHOLE) if parts > 1 else WHOLE
 
 
