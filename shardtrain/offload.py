@@ -6,11 +6,12 @@ host-to-device copy at the program's start (a copy of an argument depends on not
 barrier orders it after the backward pass), so the moments sit in device memory through the
 forward and backward passes and the device total barely drops. Here the update runs in a loop
 of n_layers iterations: iteration i slices the i-th part of every parameter along an axis the
-mesh does not split (the layer axis of the stacked layers, the vocabulary or embedding axis of
-the embedding and head), brings that part's state in, updates it and the parameter in place and
-sends the state back. A copy whose slice depends on the loop index cannot start before the loop
-reaches it, so about 1/n_layers of the state is on the device at a time, after the backward
-pass. Parameters without such an axis (norm scales: a few KiB) are updated whole after the loop.
+mesh does not split (`stream_axis`: the layer axis of the stacked layers; an embedding's axis
+where its parts are whole TPU tiles), brings that part's state in, updates it and the parameter
+in place and sends the state back. A copy whose slice depends on the loop index cannot start
+before the loop reaches it, so about 1/n_layers of the state is on the device at a time, after
+the backward pass. Parameters without such an axis (norm scales; an embedding whose rows do not
+split into whole tiles) are updated whole after the loop.
 
 Exact: global-norm clipping sees every gradient first, then the optimizer runs on each part with
 the other parts' leaves as `optax.MaskedNode`s. That is the same arithmetic as the whole update
