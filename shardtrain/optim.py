@@ -140,21 +140,29 @@ def decayed(params) -> dict:
 
 def clipped(cfg: RunConfig, names: dict) -> optax.GradientTransformation:
     """Global-norm clipping, then optimizer.name with the schedule (README: Optimizers and schedules)."""
+    return optax.chain(clipping(cfg), unclipped(cfg, names))
+
+
+def clipping(cfg: RunConfig) -> optax.GradientTransformation:
+    """`clipped`'s first part: clipping by the global norm (its state is empty)."""
+    return optax.clip_by_global_norm(cfg.optimizer.grad_clip)
+
+
+def unclipped(cfg: RunConfig, names: dict) -> optax.GradientTransformation:
+    """`clipped`'s second part: optimizer.name with the schedule."""
     o, lr = cfg.optimizer, schedule(cfg)
     if o.name == "adamw":
-        tx = optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decayed)
-    elif o.name == "lion":
-        tx = optax.lion(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decayed)
-    elif o.name == "adafactor":  # optax.adafactor(lr, multiply_by_parameter_scale=False), its weight decay x lr
-        tx = optax.chain(optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0),
-                         optax.add_decayed_weights(o.weight_decay, decayed), optax.scale_by_learning_rate(lr))
-    else:
-        dims = muon_matrices(names)
-        tx = optax.contrib.muon(
-            lr, weight_decay=o.weight_decay, adam_b1=o.b1, adam_b2=o.b2, consistent_rms=0.2,
-            muon_weight_dimension_numbers=lambda params: jax.tree_util.tree_map_with_path(
-                lambda path, _: dims[jax.tree_util.keystr(path)], params))
-    return optax.chain(optax.clip_by_global_norm(o.grad_clip), tx)
+        return optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decayed)
+    if o.name == "lion":
+        return optax.lion(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decayed)
+    if o.name == "adafactor":  # optax.adafactor(lr, multiply_by_parameter_scale=False), its weight decay x lr
+        return optax.chain(optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0),
+                           optax.add_decayed_weights(o.weight_decay, decayed), optax.scale_by_learning_rate(lr))
+    dims = muon_matrices(names)
+    return optax.contrib.muon(
+        lr, weight_decay=o.weight_decay, adam_b1=o.b1, adam_b2=o.b2, consistent_rms=0.2,
+        muon_weight_dimension_numbers=lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, _: dims[jax.tree_util.keystr(path)], params))
 
 
 STACKED = ("layers", "experts")

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from models import attention
-from shardtrain import dpo, grpo, optim
+from shardtrain import dpo, grpo, offload, optim
 from shardtrain.config import ConfigError, RunConfig
 from shardtrain.data import loader, preference
 from shardtrain.loss import n_chunks, weighted_cross_entropy_sum
@@ -345,19 +345,25 @@ def make_loss_and_grads(cfg: RunConfig, loss_sums: Callable, constrain) -> Calla
     return loss_and_grads
 
 
-def update_fn(cfg: RunConfig, tx: optax.GradientTransformation, nan_at: int | None = None) -> Callable:
+def update_fn(cfg: RunConfig, tx: optax.GradientTransformation, nan_at: int | None = None,
+              apply: Callable | None = None) -> Callable:
     """(state, losses, grads) -> (state, metrics): applies reduced gradients; params, opt and step
     advance, other state entries pass through. `losses`: the dict loss_and_grads returns (`loss`
     and any auxiliary losses), all logged. `nan_at`: a fault for tests (shardtrain/runtime/faults.py):
-    that step's gradients are NaN."""
+    that step's gradients are NaN. `apply`: (grads, opt, params) -> (params, opt), the optimizer
+    applied (offload.py's streamed one), else tx's."""
     lr = optim.schedule(cfg)
+
+    def apply_tx(grads, opt, params):
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+    apply = apply or apply_tx
 
     def update(state, losses, grads):
         if nan_at is not None:
             poison = jnp.where(state["step"] == nan_at - 1, jnp.nan, 1.0)
             grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        params, opt = apply(grads, state["opt"], state["params"])
         stats = {k: v for k, v in losses.items() if jnp.ndim(v)}  # the model's state statistics
         if stats:
             params = models.get(cfg.model.name).update_state(cfg.model, params, stats)
@@ -373,7 +379,7 @@ def skipping_nonfinite(train_step: Callable, fetch: Callable = lambda state: sta
     brings offloaded entries to the device (`to_device`)."""
     def step(state, batch):
         new, metrics = train_step(state, batch)
-        state = fetch(state)
+        state, new = fetch(state), fetch(new)
         ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         kept = {k: jax.tree.map(lambda n, o: jnp.where(ok, n, o), v, state[k]) for k, v in new.items() if k != "step"}
         return {**kept, "step": new["step"]}, metrics
@@ -435,14 +441,14 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
                  if run_blocks is None else None)
     loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder, pipelined)            # 3
     loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)
-    fresh, update = fresh_state_fn(tx), update_fn(cfg, tx, nan_at)                            # 4
-
-    on_host = offloaded(cfg)
+    on_host, streamed = offloaded(cfg), offload.streams(cfg, mesh.devices.flat[0].platform)
+    apply = offload.streamed_update(cfg, layout.names, layout.shardings, shardings["opt"]) if streamed else None
+    fresh, update = fresh_state_fn(tx), update_fn(cfg, tx, nan_at, apply)                     # 4
 
     def train_step(state, batch):
         state = to_device(state, shardings, {"params"}.intersection(on_host))
         losses, grads = loss_and_grads(state["params"], batch)
-        if "opt" in on_host:  # brought in only once the gradients exist, so never beside the activations
+        if "opt" in on_host and not streamed:  # brought in whole (offload.py streams it per layer)
             grads, opt = jax.lax.optimization_barrier((grads, state["opt"]))
             state = to_device({**state, "opt": opt}, shardings, ["opt"])
         return update(state, losses, grads)

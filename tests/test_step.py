@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY
-from shardtrain import config, step
+from shardtrain import config, offload, step
 from shardtrain.parallel import mesh as mesh_lib, sharding
 from shardtrain.parallel.sharding import shard_bytes
 from shardtrain.plan import hlo
@@ -92,6 +92,27 @@ def test_offloaded_state_lives_on_the_host_and_keeps_the_numbers_bit_for_bit(pla
     kinds = {k: {x.sharding.memory_kind for x in jax.tree.leaves(state[k])} for k in ("params", "opt", "step")}
     assert kinds == {"params": {"pinned_host" if "train.offload.params=true" in offload else "device"},
                      "opt": {"pinned_host"}, "step": {"device"}}
+
+
+def test_streamed_offloaded_update_keeps_the_numbers_and_the_state_on_the_host(plain_steps, monkeypatch):
+    """The TPU's update (offload.py), forced on CPU: the optimizer state streamed through the device
+    a slice at a time, with nonfinite steps skipped, gives the plain run's losses and parameters up
+    to the last bit of a fused multiply-add."""
+    losses, params = plain_steps
+    monkeypatch.setattr(offload, "streams", lambda cfg, platform: True)
+    traced, streamed_update = [], offload.streamed_update
+
+    def spied(*args):
+        update = streamed_update(*args)
+        return lambda *a: traced.append(a) or update(*a)
+    monkeypatch.setattr(offload, "streamed_update", spied)
+    off_losses, off_params, state = steps_of(config.load(
+        None, [*OFFLOAD_MESH, "train.offload.optimizer=true", "train.on_nonfinite=skip"]))
+    np.testing.assert_allclose(off_losses, losses, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(off_params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state["opt"])} == {"pinned_host"}
+    assert int(state["opt"][1][0].count) == 3 and traced  # the streamed update made the step
 
 
 @pytest.mark.slow  # 8 compiles of the step's gradients, about 30 s on 2 loaded cores

@@ -82,6 +82,20 @@ def test_tpu_program_keeps_the_offloaded_optimizer_state_in_host_memory():
     assert r["estimate"]["step_time_s"] >= max(r["estimate"]["compute_s"], r["estimate"]["memory_s"]) + link_s
 
 
+@pytest.mark.slow  # two compiles of a 16-layer model, about 30 s
+def test_tpu_program_frees_the_device_of_the_offloaded_optimizer_state():
+    """Streamed through the device a layer at a time after the backward pass (offload.py), the
+    offloaded moments leave the TPU program's device total: it drops by (nearly) their bytes. Brought
+    in whole, the compiler copies them in at the program's start and the total does not drop."""
+    devices, deep = list(topology.devices(chips.CHIPS["v5e"], "2x2")), ["model.n_layers=16"]
+    plain, off = (planner.plan_one(tpu_cfg("fsdp", *deep, *extra), devices, chips.CHIPS["v5e"])
+                  for extra in ([], ["train.offload.optimizer=true"]))
+    state = off["host_memory_per_device_bytes"]["optimizer"]
+    assert state >= 2 * (16 * 2 + 2) * D * D * 4 // 4  # AdamW's two moments of every weight, a quarter each
+    assert plain["memory_per_device_bytes"]["total"] - off["memory_per_device_bytes"]["total"] >= 0.8 * state
+    assert off["compiled_memory_bytes"]["host_arguments"] >= state
+
+
 def test_tpu_fsdp_gathers_weights_and_reduce_scatters_gradients():
     c = planned("fsdp")["collectives"]
     assert {a for row in c.values() for a in row["axes"]} == {"fsdp"}
