@@ -4,6 +4,8 @@
 
     .venv/bin/python bench/vs_maxtext.py                              # every row (about an hour here)
     .venv/bin/python bench/vs_maxtext.py --rows llama3-8b-2048 --out /tmp/vs
+    .venv/bin/python bench/vs_maxtext.py --rows llama3-8b-2048 --maxtext-flags remat_policy=minimal \
+        --ours /tmp/vs/llama3-8b-2048-shardtrain.json             # another MaxText setting beside a plan already made
 
 Per row it prints memory, FLOPs, HBM bytes, collective traffic by kind, the roofline step time of both
 and their ratio, and the compile time of each, measured one after the other. Results: bench/README.md;
@@ -49,11 +51,15 @@ ROWS = {
     "mixtral-8x7b-4096": Row("meshes/mixtral_8x7b_v5p_128.yaml", (), (
         "model_name=mixtral-8x7b", "compile_topology=v5p-256", "per_device_batch_size=2", "max_target_length=4096",
         "ici_expert_parallelism=8", "ici_fsdp_parallelism=16")),
+    "deepseek-v2-lite-4096": Row("meshes/deepseek_v2_lite_v5p_64.yaml", (), (
+        "model_name=deepseek2-16b", "compile_topology=v5p-64", "per_device_batch_size=8", "max_target_length=4096",
+        "ici_expert_parallelism=8", "ici_fsdp_parallelism=4")),
 }
 
 
-def run_maxtext(row: Row, out: str) -> dict:
-    """MaxText's compiled step: its memory, its cost, its HLO text and the command's wall time."""
+def run_maxtext(row: Row, out: str, extra: tuple[str, ...] = ()) -> dict:
+    """MaxText's compiled step (the row's flags, then `extra`): its memory, its cost, its HLO text and the
+    command's wall time."""
     import jax  # the peer on our own interpreter and jax, so that one libtpu compiles both programs
     same = {"MAXTEXT_PYTHON": sys._base_executable, "MAXTEXT_JAX": jax.__version__}
     python = subprocess.run([os.path.join(TOOLS, "maxtext-peer")], capture_output=True, text=True, check=True,
@@ -62,7 +68,7 @@ def run_maxtext(row: Row, out: str) -> dict:
     site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     args = [python, os.path.join(TOOLS, "maxtext_compile_dump.py"), out, f"{site}/maxtext/configs/base.yml",
-            *row.maxtext, "compile_topology_num_slices=1", "run_name=vs", f"base_output_directory={out}-out",
+            *row.maxtext, *extra, "compile_topology_num_slices=1", "run_name=vs", f"base_output_directory={out}-out",
             "skip_jax_distributed_system=true",
             f"jax_cache_dir={tempfile.mkdtemp(prefix='maxtext-cache-')}"]  # a cold compile, as plan's always is
     t0 = time.time()
@@ -75,7 +81,7 @@ def run_maxtext(row: Row, out: str) -> dict:
     return result
 
 
-def read_maxtext(row: Row, out: str) -> dict:
+def read_maxtext(out: str) -> dict:
     """What `run_maxtext` wrote to `out` before."""
     return {**json.load(open(out + ".json")), "wall_s": float("nan"), "text": open(out + ".hlo.txt").read()}
 
@@ -140,21 +146,32 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS))
     parser.add_argument("--out", default="/tmp/vs_maxtext", help="directory for both programs' HLO and reports")
     parser.add_argument("--reuse-maxtext", action="store_true", help="read MaxText's programs already in --out")
+    parser.add_argument("--maxtext-flags", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="more MaxText flags for every row (remat_policy=minimal); they name its files in --out")
+    parser.add_argument("--ours", help="a `shardtrain plan --json` report to compare with, not planned again (one row)")
     args = parser.parse_args()
+    if args.ours and len(args.rows) != 1:
+        parser.error("--ours takes one row")
+    extra = tuple(args.maxtext_flags)
     os.makedirs(args.out, exist_ok=True)
     summary = {}
     for name in args.rows:
         row = ROWS[name]
         print(f"{name}: MaxText train_compile ...", file=sys.stderr, flush=True)
-        mt = (read_maxtext if args.reuse_maxtext else run_maxtext)(row, os.path.join(os.path.abspath(args.out),
-                                                                                   f"{name}-maxtext"))
-        print(f"{name}: shardtrain plan ...", file=sys.stderr, flush=True)
-        report = run_shardtrain(row, os.path.join(args.out, f"{name}-shardtrain"))
+        label = "".join(f"-{flag.replace('=', '-')}" for flag in extra)
+        out = os.path.join(os.path.abspath(args.out), f"{name}-maxtext{label}")
+        mt = read_maxtext(out) if args.reuse_maxtext else run_maxtext(row, out, extra)
+        if args.ours:
+            report = {**json.load(open(args.ours)), "wall_s": float("nan")}
+        else:
+            print(f"{name}: shardtrain plan ...", file=sys.stderr, flush=True)
+            report = run_shardtrain(row, os.path.join(args.out, f"{name}-shardtrain"))
         ours, theirs = measure_ours(report), measure_maxtext(mt, report)
-        summary[name] = {"shardtrain": ours, "maxtext": theirs}
-        print(table(name, ours, theirs) + "\n", flush=True)
+        summary[name] = {"shardtrain": ours, "maxtext": theirs, "maxtext_flags": list(extra)}
+        print(table(name + label, ours, theirs) + "\n", flush=True)
     json.dump(summary, open(os.path.join(args.out, "summary.json"), "w"), indent=1)
-    harness.record("vs_maxtext", summary, rows=args.rows, reuse_maxtext=args.reuse_maxtext, out=args.out)
+    harness.record("vs_maxtext", summary, rows=args.rows, reuse_maxtext=args.reuse_maxtext, out=args.out,
+                   maxtext_flags=list(extra), ours=args.ours)
 
 
 if __name__ == "__main__":
