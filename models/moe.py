@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import grouped_gemm, quant
-from models.layers import dense, flat_matmuls, param
+from models.layers import dense, flat_matmuls, gathered, param
 
 normal = nnx.initializers.normal
 W_IN = ("experts", "expert_embed", "mlp")
@@ -386,7 +386,7 @@ class Moe(nnx.Module):
             bias_btd = jnp.einsum("btkd,btk->btd", b_btkd, weight_btk.astype(jnp.float32))
             out_btd = out_btd + bias_btd.astype(out_btd.dtype)
         if cfg.moe.n_shared_experts:
-            shared = (self.shared_w_gate_df[...], self.shared_w_up_df[...], self.shared_w_down_fd[...])
+            shared = tuple(gathered(w, c) for w in (self.shared_w_gate_df, self.shared_w_up_df, self.shared_w_down_fd))
             shared_btd = swiglu(h_btd, *shared, flat, self.quantization)
             if cfg.moe.shared_expert_gate:
                 shared_btd = jax.nn.sigmoid(dense(h_btd, self.shared_expert_gate_d1[...], flat=flat)) * shared_btd
