@@ -359,7 +359,7 @@ class Moe(nnx.Module):
     def __call__(self, h_btd):
         c, cfg = self.constrain, self.cfg
         flat = flat_matmuls(c)
-        logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32), flat=flat)
+        logits_bte = dense(h_btd.astype(jnp.float32), gathered(self.router_de, c).astype(jnp.float32), flat=flat)
         if hasattr(self, "router_b_e"):
             logits_bte = logits_bte + self.router_b_e[...].astype(jnp.float32)
         if cfg.moe.router == "sigmoid":
@@ -389,6 +389,7 @@ class Moe(nnx.Module):
             shared = tuple(gathered(w, c) for w in (self.shared_w_gate_df, self.shared_w_up_df, self.shared_w_down_fd))
             shared_btd = swiglu(h_btd, *shared, flat, self.quantization)
             if cfg.moe.shared_expert_gate:
-                shared_btd = jax.nn.sigmoid(dense(h_btd, self.shared_expert_gate_d1[...], flat=flat)) * shared_btd
+                gate_bt1 = dense(h_btd, gathered(self.shared_expert_gate_d1, c), flat=flat)
+                shared_btd = jax.nn.sigmoid(gate_bt1) * shared_btd
             out_btd = out_btd + shared_btd
         return c(out_btd, ("batch", "seq", None)), aux
