@@ -42,6 +42,7 @@ from models.layers import (
     dense,
     embed_lookup,
     flat_matmuls,
+    gathered,
     lookup_table,
     matmul_params,
     param,
@@ -246,11 +247,12 @@ class Block(nnx.Module):
         self.w_down_fd = param(rngs, normal(f ** -0.5 / 2), (f, d), LOGICAL["w_down_fd"])
 
     def weight(self, name):
-        """A block weight; with a LoRA adapter W + (alpha/r) A @ B, the frozen W out of the gradient."""
-        w = getattr(self, name)[...]
+        """A block weight, gathered whole along the model dimension (`layers.gathered`); with a LoRA
+        adapter W + (alpha/r) A @ B, the frozen W out of the gradient."""
+        w = gathered(getattr(self, name), self.constrain)
         if not hasattr(self, name + LORA_A):
             return w
-        a, b = getattr(self, name + LORA_A)[...], getattr(self, name + LORA_B)[...]
+        a, b = (gathered(getattr(self, name + part), self.constrain) for part in (LORA_A, LORA_B))
         return jax.lax.stop_gradient(w) + (self.lora_scale * dense(a, b)).astype(w.dtype)
 
     def mm(self, x, name, n_in=1):

@@ -24,6 +24,19 @@ def param(rngs: nnx.Rngs, init, shape, names) -> nnx.Param:
     return nnx.Param(init(rngs.params(), shape), out_sharding=tuple(names), eager_sharding=False)
 
 
+def gathered(var: nnx.Variable, constrain):
+    """A weight as a matmul reads it: whole along the model dimension (`embed`, which FSDP splits),
+    its other dimensions split as stored; FSDP's all-gather before use, made explicit (its gradient:
+    a reduce-scatter). Left to the partitioner, a weight split along the dimension a matmul contracts
+    becomes a windowed loop (the TPU compiler's collective matmul) that reads and writes the whole
+    output once per window, 16 times for embed over 32 devices; the weight is the small operand."""
+    w = var[...]
+    names = tuple(var.get_metadata().get("out_sharding") or ())[-w.ndim:] if w.ndim else ()
+    if "embed" not in names or constrain.size("embed") == 1:
+        return w
+    return constrain(w, tuple(None if n == "embed" else n for n in names))
+
+
 def stacked(make_block, n_layers: int, rngs: nnx.Rngs):
     """`n_layers` copies of a block, parameters stacked on a leading `layers` axis."""
     @nnx.split_rngs(splits=n_layers)

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import grouped_gemm, quant
-from models.layers import dense, flat_matmuls, param
+from models.layers import dense, flat_matmuls, gathered, param
 
 normal = nnx.initializers.normal
 W_IN = ("experts", "expert_embed", "mlp")
@@ -367,7 +367,7 @@ class Moe(nnx.Module):
     def __call__(self, h_btd):
         c, cfg = self.constrain, self.cfg
         flat = flat_matmuls(c)
-        logits_bte = dense(h_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32), flat=flat)
+        logits_bte = dense(h_btd.astype(jnp.float32), gathered(self.router_de, c).astype(jnp.float32), flat=flat)
         if hasattr(self, "router_b_e"):
             logits_bte = logits_bte + self.router_b_e[...].astype(jnp.float32)
         if cfg.moe.router == "sigmoid":
@@ -394,9 +394,10 @@ class Moe(nnx.Module):
             bias_btd = jnp.einsum("btkd,btk->btd", b_btkd, weight_btk.astype(jnp.float32))
             out_btd = out_btd + bias_btd.astype(out_btd.dtype)
         if cfg.moe.n_shared_experts:
-            shared = (self.shared_w_gate_df[...], self.shared_w_up_df[...], self.shared_w_down_fd[...])
+            shared = tuple(gathered(w, c) for w in (self.shared_w_gate_df, self.shared_w_up_df, self.shared_w_down_fd))
             shared_btd = swiglu(h_btd, *shared, flat, self.quantization)
             if cfg.moe.shared_expert_gate:
-                shared_btd = jax.nn.sigmoid(dense(h_btd, self.shared_expert_gate_d1[...], flat=flat)) * shared_btd
+                gate_bt1 = dense(h_btd, gathered(self.shared_expert_gate_d1, c), flat=flat)
+                shared_btd = jax.nn.sigmoid(gate_bt1) * shared_btd
             out_btd = out_btd + shared_btd
         return c(out_btd, ("batch", "seq", None)), aux
