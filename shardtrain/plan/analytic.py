@@ -16,8 +16,9 @@ program's parameter shardings and the config:
         twice backward (once more with remat);
       - expert parallelism: 4 all-to-alls of the routed rows per MoE layer (6 with remat);
       - pipeline: each micro-batch's activations between stages, forward and backward.
-  - memory: the state's shards, a gradient of the parameters' shards, and per layer and token the
-    layer's input and the outputs the remat policy saves (`SAVED`).
+  - memory: the state's shards, a gradient of the parameters' shards (two with grad accumulation: one
+    and their sum), and per layer and token the layer's input and the outputs the remat policy saves
+    (`SAVED`).
 Memory time (HBM bytes) is left out: it barely depends on the mesh. The model only orders meshes;
 the compiled programs decide among the ones it keeps.
 """
@@ -108,6 +109,7 @@ def predict(prog: step_lib.Program, chip: chips_lib.Chip) -> dict[str, float]:
     bubble = prog.schedule.bubble_fraction if prog.schedule else 0.0
     compute = flops / chip.peak_flops / (1 - bubble)
     saved = m.d_model + sum(saved_part[p] for p in SAVED.get(cfg.train.remat, ()))
-    device_bytes = (sharding.shard_bytes(prog.abstract_state) + sharding.shard_bytes(prog.abstract_state["params"])
+    gradients = sharding.shard_bytes(prog.abstract_state["params"]) * (2 if cfg.train.grad_accum_steps > 1 else 1)
+    device_bytes = (sharding.shard_bytes(prog.abstract_state) + gradients
                     + layers * tokens / cfg.train.grad_accum_steps * saved * size)
     return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm, "device_bytes": device_bytes}

@@ -8,7 +8,8 @@ config's own knobs):
   - FLOPs: a policy recomputes, per layer and token, the forward FLOPs of what it does not save
     (`analytic.RECOMPUTED`: attention, its output projection, the MLP, the q/k/v projections);
   - memory: a policy keeps per layer and token the outputs it saves (`analytic.SAVED`), divided over the
-    micro-batches of grad accumulation; offload takes the optimizer state off the device;
+    micro-batches of grad accumulation, which adds a parameter-sized sum of the gradients; offload takes
+    the optimizer state off the device;
   - time: max(compute, the mesh's memory time) + its communication + the host link (offload).
 A candidate whose predicted memory exceeds the limit is not compiled, nor one whose predicted step
 is no faster than the fastest compiled candidate that fits (branch and bound). The rest compile in
@@ -106,7 +107,9 @@ def predict(cfg: RunConfig, base: dict, knobs: Knobs, chip: chips_lib.Chip) -> t
     m = base["memory_per_device_bytes"]
     opt_b = base["host_memory_per_device_bytes"]["optimizer"] if own.offload else m["optimizer"]
     moved = (opt_b if own.offload else 0) - (opt_b if knobs.offload else 0)  # onto the device (+) or off it (-)
-    device_b = m["total"] - activations(own) + activations(knobs) + moved
+    params_b = m["params"] + base["host_memory_per_device_bytes"].get("params", 0)
+    accumulator = params_b * ((knobs.accum > 1) - (own.accum > 1))  # the gradients' sum over micro-batches
+    device_b = m["total"] - activations(own) + activations(knobs) + moved + accumulator
     flops_dev = max(base["flops_per_device"] + recompute(knobs) - recompute(own), base["model_flops_per_step"] / n)
     e = base["estimate"]
     host_s = 2 * opt_b / chip_dev.host_bandwidth if knobs.offload else 0.0
