@@ -36,6 +36,10 @@ from shardtrain.parallel import mesh as mesh_lib, sharding
 
 BATCH_AXES = ("data", "fsdp", "expert", "context")
 """The axes that split the batch: a weight not sharded over one of them has its gradient reduced there."""
+FITS_WITH_ROOM = 0.8
+"""The share of the memory a mesh's guessed bytes may take to count as fitting with room: the guess
+leaves out a layer's working set (its recompute, an MoE's dispatch buffers, the logits), a fifth or
+more of the total on the shipped configs."""
 RECOMPUTED = {"none": (), "minimal": ("attention",), "save_dot_except_mlp": ("attention", "mlp"),
               "save_qkv_proj": ("attention", "out", "mlp"), "full": ("attention", "out", "mlp", "qkv")}
 """The parts of a layer whose forward a remat policy runs again (a policy not named here: as full)."""

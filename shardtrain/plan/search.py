@@ -9,7 +9,8 @@ A mesh is valid when `step.build` accepts it: the sharding rules' divisibility e
 (`sharding.spec_for`) and the pipeline's own checks are the filter. Valid meshes whose parameters
 and optimizer state alone (exact, from the abstract state's shard shapes) exceed the chip's memory
 are pruned without compiling. The rest are ordered by the analytical model (analytic.py): those it
-predicts to fit first, each group by its predicted step; the first `meshes` are compiled in a thread
+predicts to fit with room (`analytic.FITS_WITH_ROOM`) first, then those it predicts to fit, each group
+by its predicted step; the first `meshes` are compiled in a thread
 pool (XLA compiles outside the GIL) with a progress bar; the others are listed with their predicted
 step, not compiled.
 """
@@ -202,8 +203,8 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
     if not rows:
         raise ConfigError(f"no mesh of {n} devices suits this model: " +
                           "; ".join(f"{r['mesh']}: {r['reason']}" for r in rejected[:4]))
-    # those predicted to fit first, each group by predicted step (stable: ties keep the enumeration's order)
-    todo.sort(key=lambda row_prog: (row_prog[0].predicted_bytes > limit, row_prog[0].predicted_step_s))
+    # stable: ties keep the enumeration's order
+    todo.sort(key=lambda row_prog: (predicted_room(row_prog[0], limit), row_prog[0].predicted_step_s))
     for row, _ in todo[meshes or len(todo):]:
         row.status = (f"pruned: predicted {row.predicted_step_s * 1e3:.2f} ms, {planner.gib(row.predicted_bytes)}; "
                       f"not among the {meshes} compiled")
@@ -213,6 +214,11 @@ def search(cfg: RunConfig, devices: list, chip: chips_lib.Chip, workers: int | N
         raise ConfigError(no_fit_message(cfg, ranked, n, limit, chip))
     return {"devices": n, "chip": chip.name, "memory_limit_bytes": limit,
             "rows": [r.as_dict() for r in ranked], "rejected": rejected}
+
+
+def predicted_room(row: Row, limit: float) -> int:
+    """0: the analytical model's bytes fit with room (`analytic.FITS_WITH_ROOM`), 1: they fit, 2: they do not."""
+    return 0 if row.predicted_bytes <= analytic.FITS_WITH_ROOM * limit else 1 if row.predicted_bytes <= limit else 2
 
 
 def compile_all(todo: list[tuple[Row, step_lib.Program]], platform: str, chip: chips_lib.Chip,
