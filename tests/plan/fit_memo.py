@@ -14,6 +14,8 @@ from shardtrain import chips, step
 from shardtrain.plan import planner
 
 COMPILED_FITS = Path(__file__).parents[1] / "golden" / "compiled_fits.json"
+COMPILED_TARGETS = COMPILED_FITS.with_name("compiled_targets.json")
+"""The whole configs whose targets a test checks (their figures at full depth)."""
 
 
 def code(path: Path) -> str:
@@ -27,24 +29,25 @@ def code(path: Path) -> str:
     return ast.dump(tree)
 
 
-def compiled_figures(path: str, prog: step.Program, chip: chips.Chip) -> dict:
-    """The compiled program's memory per chip and MFU, memoized in tests/golden/compiled_fits.json
-    under the sha256 of its lowered text, the compilers' versions, the XLA / libtpu flags and the
-    planner's own code (shardtrain/plan, which reads the figures off the compiled program, and
-    shardtrain/chips.py, the chip table it divides by; their code, not their comments; plan/search.py and
-    plan/tune.py, which pick configs, are left out): the same key gives the
-    same figures, so only a config whose program or planner changed pays the compile (minutes on CI's 2
-    cores); UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
+def compiled_figures(path: str, prog: step.Program, chip: chips.Chip, memo: Path = COMPILED_FITS) -> dict:
+    """The compiled program's memory per chip, MFU, fit and compiled FLOPs over the model's, memoized
+    in tests/golden/compiled_fits.json under the sha256 of its lowered text, the compilers' versions,
+    the XLA / libtpu flags and the planner's own code (shardtrain/plan, which reads the figures off
+    the compiled program, and shardtrain/chips.py, the chip table it divides by; their code, not
+    their comments; plan/search.py, plan/tune.py and plan/analytic.py, which pick configs, are left
+    out): the same key gives the same figures, so only a config whose program or planner changed pays
+    the compile (minutes on CI's 2 cores); UPDATE_GOLDEN=1 (with -n0) records what it compiled."""
     lowered = prog.lower()
     key = memo_key(lowered.as_text())
-    records = json.loads(COMPILED_FITS.read_text())
+    records = json.loads(memo.read_text()) if memo.exists() else {}
     if records.get(path, {}).get("key") == key:
         return records[path]
     r = planner.report(prog, planner.compile_fast(lowered, prog.mesh.devices.flat[0].platform), chip, 0.0)
     figures = {"key": key, "compiler": r["compiler"], "total": r["memory_per_device_bytes"]["total"],
-               "mfu": r["estimate"]["mfu"]}
+               "mfu": r["estimate"]["mfu"], "fits": r["fits"],
+               "flops_ratio": r["flops_per_device"] * r["devices"] / r["model_flops_per_step"]}
     if os.environ.get("UPDATE_GOLDEN") == "1":
-        COMPILED_FITS.write_text(json.dumps({**records, path: figures}, indent=1, sort_keys=True) + "\n")
+        memo.write_text(json.dumps({**records, path: figures}, indent=1, sort_keys=True) + "\n")
     return figures
 
 

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from conftest import cli_env
-from fit_memo import compiled_figures
+from fit_memo import COMPILED_TARGETS, compiled_figures
 from shardtrain import chips, cli, config, step
 from shardtrain.parallel import mesh as mesh_lib, sharding
 from shardtrain.plan import hlo, planner, topology
@@ -254,6 +254,33 @@ def test_every_large_shipped_config_fits_its_topology(path):
     limit = planner.per_device(chip, len(devices)).hbm_bytes  # TPU7x: half a chip per device
     assert total <= limit, f"{path}: about {total / 2 ** 30:.2f} GiB per device of {limit / 2 ** 30:.0f}"
     assert 0 < r["mfu"] <= 1
+
+
+MOE_TARGETS = {  # (most compiled FLOPs / the model's, least roofline MFU, most GiB per device)
+    "meshes/mixtral_8x7b_gpu_32.yaml": (1.45, 0.40, None),
+    "meshes/deepseek_v2_lite_v5p_64.yaml": (None, 0.30, 35),
+    "meshes/deepseek_v3_v5p_512.yaml": (None, None, None),
+    "meshes/deepseek_v3_h100_256.yaml": (None, None, None),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", MOE_TARGETS)
+def test_moe_configs_meet_their_targets_at_full_depth(path):
+    """The MoE configs' targets by plan, on their own compiler at full depth (grouped GEMM on GPUs,
+    bounded dropless buffers, DeepSeek-V3 at 671B): each fits; Mixtral on 32 H100 within 1.45x the
+    model's FLOPs at >= 40% MFU; DeepSeek-V2-Lite on v5p-64 in <= 35 GiB at >= 30%. A full compile
+    takes 1-5 minutes here, so the figures are memoised (`compiled_figures`) like the fit checks'."""
+    cfg = config.load(path)
+    assert cfg.model.moe.capacity_factor is None  # dropless
+    devices, chip = planner.target(cfg, cli.mesh_devices(cfg))
+    prog = step.build(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    r = compiled_figures(path, prog, chip, COMPILED_TARGETS)
+    most_flops, least_mfu, most_gib = MOE_TARGETS[path]
+    assert r["fits"] and r["compiler"] == ("gpu" if chip.gpu else "tpu"), r
+    assert most_flops is None or r["flops_ratio"] <= most_flops, r
+    assert least_mfu is None or r["mfu"] >= least_mfu, r
+    assert most_gib is None or r["total"] <= most_gib * 2 ** 30, r
 
 
 def test_tpu_flops_count_every_layer_of_the_rolled_scan():
