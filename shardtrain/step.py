@@ -441,7 +441,7 @@ def build(cfg: RunConfig, mesh: Mesh, nan_at: int | None = None) -> Program:
                  if run_blocks is None else None)
     loss_sums = loss_sums_fn(cfg, layout.graphdef, run_blocks, reorder, pipelined)            # 3
     loss_and_grads = make_loss_and_grads(cfg, loss_sums, constrain)
-    on_host, streamed = offloaded(cfg), offload.streams(cfg, mesh.devices.flat[0].platform)
+    on_host, streamed = offloaded(cfg), offload.streams(cfg, constrain.platform)
     apply = offload.streamed_update(cfg, layout.names, layout.shardings, shardings["opt"]) if streamed else None
     fresh, update = fresh_state_fn(tx), update_fn(cfg, tx, nan_at, apply)                     # 4
 

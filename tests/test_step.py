@@ -222,9 +222,11 @@ def test_fsdp_gathers_weights_not_activations():
     weights = {math.prod(x.shape[1:]) if "blocks" in jax.tree_util.keystr(p) else math.prod(x.shape)
                for p, x in jax.tree_util.tree_leaves_with_path(params) if "norm" not in jax.tree_util.keystr(p)}
     gathered = [[int(d) for d in dims.split(",")]
-                for dims in re.findall(r"= f32\[([\d,]+)\]\S* all-gather(?:-start)?\(", text)]
-    # 2-D matrices of a weight's size (a (B, T, D) activation would be 3-D)
-    assert gathered and all(len(g) == 2 and math.prod(g) in weights for g in gathered), gathered
-    sharded = sum(math.prod(x.shape) * 4 for p, x in jax.tree_util.tree_leaves_with_path(params)
-                  if "norm" not in jax.tree_util.keystr(p))
-    assert sharded <= 4 * sum(map(math.prod, gathered)) <= 2 * sharded  # each weight, forward (and backward)
+                for dims in re.findall(r"= (?:f32|bf16)\[([\d,]+)\]\S* all-gather(?:-start)?\(", text)]
+    # arrays of a weight's size, in its own layout (`layers.gathered`), never a (B, T, D) activation's
+    assert gathered and all(math.prod(g) in weights for g in gathered), gathered
+    sizes = {jax.tree_util.keystr(p): math.prod(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params)
+             if "norm" not in jax.tree_util.keystr(p)}
+    blocks = sum(n for p, n in sizes.items() if "blocks" in p)
+    # every block weight, forward (and backward); an embedding table may be looked up where it lies
+    assert blocks <= sum(map(math.prod, gathered)) <= 2 * sum(sizes.values())

@@ -8,8 +8,9 @@ program's parameter shardings and the config:
     stretched by a pipeline's bubble;
   - communication, each collective's ring traffic at the bandwidth of its axes (DCN where an axis
     crosses slices or hosts, else ICI), as plan counts them:
-      - FSDP: each weight shard gathered twice (forward, backward) and its gradient reduce-scattered,
-        in the compute dtype; gradients of weights replicated over a batch axis all-reduced there;
+      - FSDP: each weight shard gathered (again in the backward pass under any remat policy, which
+        recomputes the gather) and its gradient reduce-scattered, in the compute dtype; gradients of
+        weights replicated over a batch axis all-reduced there;
       - tensor parallelism: 4 all-reduces of a layer's activations per layer (2 forward, 2 backward),
         6 with remat;
       - context parallelism: the ring passes each layer's keys and values around once forward and
@@ -83,8 +84,8 @@ def predict(prog: step_lib.Program, chip: chips_lib.Chip) -> dict[str, float]:
     for leaf in jax.tree.leaves(prog.abstract_state["params"]):
         axes = spec_axes(leaf.sharding)
         shard = math.prod(leaf.shape) * size / math.prod(shape[a] for a in axes)
-        if "fsdp" in axes:  # gathered forward and backward, the gradient reduce-scattered
-            comm += seconds(3 * shard * (shape["fsdp"] - 1), ("fsdp",))
+        if "fsdp" in axes:  # gathered (again in the backward pass under remat), the gradient reduce-scattered
+            comm += seconds((2 if cfg.train.remat == "none" else 3) * shard * (shape["fsdp"] - 1), ("fsdp",))
         replicas = [a for a in BATCH_AXES if a not in axes and shape[a] > 1]
         r = math.prod(shape[a] for a in replicas)
         comm += seconds(2 * shard * (r - 1) / r, replicas)
